@@ -1,0 +1,306 @@
+"""A causal decoder covering the Llama, Qwen2 and Qwen3 families (flax.linen).
+
+One module serves training and generation:
+
+- ``model.apply(variables, tokens, segment_ids=..., positions=...)`` is the full
+  forward pass over a ``[batch, length]`` block of ids and returns float32 logits
+  ``[batch, length, vocab]``. ``segment_ids`` (0 marks padding) and ``positions`` keep
+  attention and rotary positions inside each document when several are packed into
+  one row, so a packed row gives the same logits as each document alone.
+- ``model.apply(variables, tokens, cache=cache, lengths=...)`` is the decode path: it
+  appends ``lengths[b]`` valid ids of each row to a :class:`KVCache` (prefill is a
+  call with the whole prompt, decoding a call with one id per row) and returns
+  ``(logits, cache)``. Ids past a row's valid count are neither attended to nor
+  written, so a row given ``lengths=0`` keeps its cache unchanged.
+
+Options for the families: grouped-query attention (``num_kv_heads``), an explicit
+``head_dim``, RoPE theta, RMSNorm epsilon, SwiGLU or GELU MLP, Qwen3's QK-norm,
+tied or untied embeddings, attention bias (Qwen2) and a final-logit softcap.
+Parameter names follow Hugging Face's module names so checkpoints map one to one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+MLP_ACTIVATIONS = ("swiglu", "gelu")
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer for decoding.
+
+    keys, values: [layers, batch, capacity, kv_heads, head_dim]
+    lengths: [batch] int32, the number of valid positions of each row.
+    """
+
+    keys: jax.Array
+    values: jax.Array
+    lengths: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+
+def init_cache(model: "CausalTransformer", batch: int, capacity: int, dtype=None) -> KVCache:
+    """An empty cache for ``batch`` rows of up to ``capacity`` positions."""
+    if batch < 1 or capacity < 1:
+        raise ValueError(f"a cache needs batch >= 1 and capacity >= 1, got batch={batch}, capacity={capacity}")
+    shape = (model.num_layers, batch, capacity, model.kv_heads, model.head_size)
+    dtype = dtype or model.dtype
+    return KVCache(
+        keys=jnp.zeros(shape, dtype),
+        values=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate halves of ``x`` [batch, length, heads, dim] by ``positions`` [batch, length] (HF's rotate_half)."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, dim/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], -1)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    norm_eps: float
+    qk_norm: bool
+    bias: bool
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, positions, mask, layer_cache=None, write=None):
+        batch, length, _ = x.shape
+        dense = lambda features, name, bias: nn.Dense(  # noqa: E731
+            features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        )
+        q = dense(self.num_heads * self.head_dim, "q_proj", self.bias)(x)
+        k = dense(self.num_kv_heads * self.head_dim, "k_proj", self.bias)(x)
+        v = dense(self.num_kv_heads * self.head_dim, "v_proj", self.bias)(x)
+        q = q.reshape(batch, length, self.num_heads, self.head_dim)
+        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            norm = lambda name: nn.RMSNorm(  # noqa: E731
+                epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+            )
+            q, k = norm("q_norm")(q), norm("k_norm")(k)
+        q = rotary(q, positions, self.rope_theta)
+        k = rotary(k, positions, self.rope_theta)
+
+        new_cache = None
+        if layer_cache is not None:
+            k, v = write(layer_cache, k, v)
+            new_cache = (k, v)
+
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", weights, v.astype(self.dtype))
+        out = out.reshape(batch, length, self.num_heads * self.head_dim)
+        return dense(x.shape[-1], "o_proj", False)(out), new_cache
+
+
+class MLP(nn.Module):
+    features: int
+    activation: str
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        dense = lambda features, name: nn.Dense(  # noqa: E731
+            features, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        )
+        if self.activation == "swiglu":
+            hidden = nn.silu(dense(self.features, "gate_proj")(x)) * dense(self.features, "up_proj")(x)
+        else:
+            hidden = nn.gelu(dense(self.features, "up_proj")(x), approximate=False)
+        return dense(x.shape[-1], "down_proj")(hidden)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOptions:
+    """What one decoder layer needs of the model's options (a plain value, not a submodule)."""
+
+    num_heads: int
+    kv_heads: int
+    head_size: int
+    rope_theta: float
+    norm_eps: float
+    qk_norm: bool
+    attention_bias: bool
+    mlp_features: int
+    mlp_activation: str
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+
+class Block(nn.Module):
+    config: LayerOptions
+
+    @nn.compact
+    def __call__(self, x, positions, mask, layer_cache=None, write=None):
+        c = self.config
+        norm = lambda name: nn.RMSNorm(  # noqa: E731
+            epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name
+        )
+        attention = Attention(
+            c.num_heads, c.kv_heads, c.head_size, c.rope_theta, c.norm_eps, c.qk_norm,
+            c.attention_bias, c.dtype, c.param_dtype, name="self_attn",
+        )
+        attended, new_cache = attention(norm("input_layernorm")(x), positions, mask, layer_cache, write)
+        x = x + attended
+        mlp = MLP(c.mlp_features, c.mlp_activation, c.dtype, c.param_dtype, name="mlp")
+        return x + mlp(norm("post_attention_layernorm")(x)), new_cache
+
+
+class CausalTransformer(nn.Module):
+    """A pre-norm decoder with rotary positions; see the module docstring for the call forms."""
+
+    vocab_size: int
+    emb_features: int
+    num_layers: int
+    num_heads: int
+    mlp_features: int
+    max_seq_len: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    mlp_activation: str = "swiglu"
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+    attention_bias: bool = False
+    logit_softcap: float | None = None
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.emb_features // self.num_heads
+
+    @nn.compact
+    def __call__(self, tokens, segment_ids=None, positions=None, cache: KVCache | None = None, lengths=None):
+        batch, length = tokens.shape
+        embed = nn.Embed(
+            self.vocab_size, self.emb_features, dtype=self.dtype, param_dtype=self.param_dtype,
+            embedding_init=nn.initializers.normal(0.02), name="embed_tokens",
+        )
+        x = embed(tokens)
+        if cache is None:
+            mask, positions = self._packed_mask(batch, length, segment_ids, positions)
+            write = None
+        else:
+            mask, positions, write, lengths = self._cache_mask(cache, batch, length, positions, lengths)
+
+        options = LayerOptions(
+            self.num_heads, self.kv_heads, self.head_size, self.rope_theta, self.norm_eps, self.qk_norm,
+            self.attention_bias, self.mlp_features, self.mlp_activation, self.dtype, self.param_dtype,
+        )
+        new_keys, new_values = [], []
+        for layer in range(self.num_layers):
+            layer_cache = None if cache is None else (cache.keys[layer], cache.values[layer])
+            x, written = Block(options, name=f"layers_{layer}")(x, positions, mask, layer_cache, write)
+            if written is not None:
+                new_keys.append(written[0])
+                new_values.append(written[1])
+        x = nn.RMSNorm(epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
+        if self.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(
+                self.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name="lm_head"
+            )(x)
+        logits = logits.astype(jnp.float32)
+        if self.logit_softcap is not None:
+            logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
+        if cache is None:
+            return logits
+        return logits, KVCache(jnp.stack(new_keys), jnp.stack(new_values), cache.lengths + lengths)
+
+    def _packed_mask(self, batch, length, segment_ids, positions):
+        if segment_ids is None:
+            segment_ids = jnp.ones((batch, length), jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        causal = jnp.tril(jnp.ones((length, length), bool))
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        return causal[None] & same, positions
+
+    def _cache_mask(self, cache, batch, length, positions, lengths):
+        start = cache.lengths  # [B]
+        if lengths is None:
+            lengths = jnp.full((batch,), length, jnp.int32)
+        lengths = lengths.astype(jnp.int32)
+        if positions is None:
+            positions = start[:, None] + jnp.arange(length, dtype=jnp.int32)[None]
+        capacity = cache.capacity
+        # Query t of row b sees every cached slot before it and the new ids up to itself.
+        slots = jnp.arange(capacity)[None, None, :]
+        mask = slots <= (start[:, None] + jnp.arange(length)[None, :])[:, :, None]
+        valid = jnp.arange(length)[None, :] < lengths[:, None]  # [B, T]
+
+        def write(layer_cache, k, v):
+            old_k, old_v = layer_cache
+
+            def one_row(old, new, begin, keep):
+                window = jax.lax.dynamic_slice_in_dim(old, begin, length, axis=0)
+                merged = jnp.where(keep[:, None, None], new.astype(old.dtype), window)
+                return jax.lax.dynamic_update_slice_in_dim(old, merged, begin, axis=0)
+
+            k_all = jax.vmap(one_row)(old_k, k, start, valid)
+            v_all = jax.vmap(one_row)(old_v, v, start, valid)
+            return k_all, v_all
+
+        return mask, positions, write, lengths
+
+
+def validate_config(model: CausalTransformer) -> None:
+    """Raise ValueError naming the first inconsistent option of a decoder config."""
+    positive = ("vocab_size", "emb_features", "num_layers", "num_heads", "mlp_features", "max_seq_len")
+    for name in positive:
+        value = getattr(model, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if model.num_kv_heads is not None and (model.num_kv_heads < 1 or model.num_heads % model.num_kv_heads):
+        raise ValueError(
+            f"num_kv_heads must divide num_heads={model.num_heads}, got {model.num_kv_heads}"
+        )
+    if model.head_dim is None and model.emb_features % model.num_heads:
+        raise ValueError(
+            f"emb_features={model.emb_features} is not divisible by num_heads={model.num_heads}; "
+            "pass head_dim explicitly"
+        )
+    if model.head_size % 2:
+        raise ValueError(f"head_dim must be even for rotary positions, got {model.head_size}")
+    if model.mlp_activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {model.mlp_activation!r}")
+    if model.logit_softcap is not None and model.logit_softcap <= 0:
+        raise ValueError(f"logit_softcap must be positive or None, got {model.logit_softcap}")
+    if model.norm_eps <= 0:
+        raise ValueError(f"norm_eps must be positive, got {model.norm_eps}")
+

@@ -1,0 +1,6 @@
+"""Training objectives; each follows the protocol in :mod:`dew.objectives.base`."""
+
+from dew.objectives.base import Objective
+from dew.objectives.lm import LMObjective
+
+__all__ = ["LMObjective", "Objective"]

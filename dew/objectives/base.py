@@ -1,0 +1,77 @@
+"""The objective protocol the Trainer drives (see shared DESIGN, "The objective protocol").
+
+An objective owns its model and says:
+
+- ``init(key)``: the full Flax variables mapping to start from (``pretrained`` when given);
+- ``ema_decay``: ``None`` (no averaged copy), a float in (0, 1) (a moving average) or
+  exactly 1 (a frozen copy of the start: the reference of DPO, GRPO and PPO);
+- ``validate(batch)``: host-side checks of a numpy batch, raising a clear error;
+- ``loss(variables, ema, batch, key) -> (loss, metrics)``: a pure function the Trainer jits;
+- ``evaluate(variables, batch) -> sums`` and ``summarize(totals) -> metrics``: validation
+  metrics as sums over batches, turned into averages once every batch is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+Variables = Mapping[str, Any]
+
+
+class Objective:
+    """Base class with the protocol's defaults; subclasses override ``init`` and ``loss``."""
+
+    ema_decay: float | None = None
+
+    def init(self, key: jax.Array) -> Variables:
+        raise NotImplementedError
+
+    def validate(self, batch: Mapping[str, np.ndarray]) -> None:
+        """Check a host batch before it reaches the compiled update."""
+
+    def loss(self, variables: Variables, ema: Variables | None, batch, key) -> tuple[jax.Array, dict]:
+        raise NotImplementedError
+
+    def evaluate(self, variables: Variables, batch) -> dict[str, jax.Array]:
+        raise NotImplementedError(f"{type(self).__name__} has no validation metrics")
+
+    def summarize(self, totals: Mapping[str, float]) -> dict[str, float]:
+        return dict(totals)
+
+
+def check_ema_decay(ema_decay: float | None) -> float | None:
+    if ema_decay is None:
+        return None
+    if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 < ema_decay <= 1.0:
+        raise ValueError(f"ema_decay must be None or a number in (0, 1], got {ema_decay!r}")
+    return float(ema_decay)
+
+
+def check_variables(variables: Any, name: str = "pretrained") -> Variables:
+    """A full Flax variables mapping with an outer ``params`` collection, or a clear error."""
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        kind = sorted(variables) if isinstance(variables, Mapping) else type(variables).__name__
+        raise ValueError(
+            f"{name} must be a full Flax variables mapping with an outer 'params' collection "
+            f"(for example lm_state.params), got {kind}"
+        )
+    return variables
+
+
+def require_field(batch: Mapping[str, Any], field: str, owner: str) -> np.ndarray:
+    if field not in batch:
+        raise KeyError(f"{owner} needs batch field {field!r}; the batch has {sorted(batch)}")
+    return batch[field]
+
+
+def check_integer_field(batch: Mapping[str, Any], field: str, shape: tuple[int, ...], owner: str) -> None:
+    value = batch[field]
+    dtype = np.asarray(value).dtype if not hasattr(value, "dtype") else value.dtype
+    if not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"{owner}: batch field {field!r} must hold integers, got dtype {dtype}")
+    if tuple(np.shape(value)) != shape:
+        raise ValueError(f"{owner}: batch field {field!r} must have shape {shape}, got {tuple(np.shape(value))}")

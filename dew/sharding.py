@@ -1,0 +1,96 @@
+"""Device meshes, batch sharding and multi-process set-up for data-parallel training.
+
+Training is data parallel: parameters and optimizer state are replicated and each
+batch is split along its first axis over a one-axis mesh named ``"data"`` that spans
+every device of every process. A process holds only its own rows of a global batch
+(:func:`shard_batch` assembles the global array from process-local shards), so each
+process reads only its partition of the data.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from dew.data.dataset import Partition
+
+DATA_AXIS = "data"
+
+
+def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A one-axis ``"data"`` mesh over ``devices`` (default: every device of every process)."""
+    devices = list(devices) if devices is not None else jax.devices()
+    return Mesh(np.array(devices), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def row_sharded(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+
+
+def local_partition() -> Partition:
+    """This process's partition of the data: its process index among all processes."""
+    return Partition(index=jax.process_index(), count=jax.process_count())
+
+
+def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Place this process's rows of a batch as one global, row-sharded array per field.
+
+    Every field must have the same number of rows; the global batch (rows times the
+    number of processes) must divide evenly across the mesh's devices.
+    """
+    if not batch:
+        raise ValueError("the batch is empty: it has no fields")
+    rows = None
+    for name, value in batch.items():
+        shape = np.shape(value)
+        if len(shape) == 0:
+            raise ValueError(f"batch field {name!r} is a scalar; every field needs a leading row axis")
+        if rows is None:
+            rows, first = shape[0], name
+        elif shape[0] != rows:
+            raise ValueError(f"batch field {name!r} has {shape[0]} rows but field {first!r} has {rows}")
+    global_rows = rows * jax.process_count()
+    devices = mesh.devices.size
+    if global_rows % devices:
+        raise ValueError(
+            f"a batch of {global_rows} rows does not divide across {devices} devices; "
+            f"use a batch size that is a multiple of {devices}"
+        )
+    sharding = row_sharded(mesh)
+    out = {}
+    for name, value in batch.items():
+        value = np.asarray(value)
+        global_shape = (global_rows, *value.shape[1:])
+        out[name] = jax.make_array_from_process_local_data(sharding, value, global_shape)
+    return out
+
+
+def initialize_processes(
+    coordinator_address: str,
+    num_processes: int,
+    process_id: int,
+    local_device_count: int | None = None,
+) -> Partition:
+    """Join a multi-process JAX job and return this process's data partition.
+
+    On CPU the processes exchange collectives through gloo. ``local_device_count``
+    sets how many CPU devices this process exposes; it must be called before JAX
+    creates its backends (before the first array is made).
+    """
+    if local_device_count is not None:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+        flags.append(f"--xla_force_host_platform_device_count={local_device_count}")
+        os.environ["XLA_FLAGS"] = " ".join(flags)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
+    return local_partition()

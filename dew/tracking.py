@@ -1,0 +1,74 @@
+"""Where training metrics go: a console progress bar with log lines, and a JSONL file.
+
+The console shows a tqdm bar (steps/s and ETA) and prints one line per logged step.
+With an output directory every logged record is also appended to
+``<output_dir>/metrics.jsonl``; without one nothing is written to disk. Only the
+first process of a multi-process job reports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    parts = []
+    for name, value in metrics.items():
+        if isinstance(value, float):
+            parts.append(f"{name} {value:.4g}" if math.isfinite(value) else f"{name} {value}")
+        else:
+            parts.append(f"{name} {value}")
+    return " | ".join(parts)
+
+
+class Tracker:
+    """Progress bar plus metric records for one ``fit`` call."""
+
+    def __init__(self, total: int, start: int, output_dir: str | Path | None, enabled: bool, progress: bool):
+        self.enabled = enabled
+        self._file = None
+        self._bar = None
+        self._start_time = time.perf_counter()
+        self._start_step = start
+        if not enabled:
+            return
+        if output_dir is not None:
+            path = Path(output_dir) / "metrics.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a")
+        if progress:
+            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr, leave=False)
+
+    def advance(self, loss: float | None = None) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            if loss is not None:
+                self._bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+
+    def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": step, **metrics}
+        if kind == "train":
+            elapsed = time.perf_counter() - self._start_time
+            record["steps_per_second"] = (step - self._start_step) / elapsed if elapsed > 0 else float("nan")
+        line = f"[{kind}] step {step} | " + format_metrics({k: v for k, v in record.items() if k not in ("kind", "step")})
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()

@@ -1,0 +1,363 @@
+"""The Trainer: one compiled update per batch shape, for every objective.
+
+``Trainer(objective, optimizer, key=...)`` drives any objective that follows
+:mod:`dew.objectives.base`. ``fit(data, steps, log_every)`` runs the loop;
+``initial_state()``, ``step(state, batch)``, ``evaluate(state, data)``, ``save`` and
+``restore`` let an actor or a notebook drive training one batch at a time.
+
+What a step does, on the host and then compiled:
+
+1. the objective checks the host batch (``validate``);
+2. with a rollout, ``rollout(batch, variables, version, key)`` turns the data batch
+   into the batch to train on (``version`` is ``TrainState.updates``); when it
+   returns ``None`` the step consumes the batch but makes no update;
+3. the batch is sharded over the ``"data"`` mesh (global rows must divide the device count);
+4. the jitted update computes the loss and gradients; with ``accumulate=k`` it adds
+   them to a running sum and commits one optimizer update every k batches, so
+   ``TrainState.step`` counts batches and ``TrainState.updates`` committed updates;
+5. after each committed update the EMA slot moves by the objective's ``ema_decay``
+   (``None``: no copy; a float: moving average; exactly 1: a frozen reference).
+
+The update donates the state it is given: ``step(state, batch)`` consumes ``state``.
+Trees the caller passed in (``pretrained=``) are copied when the state is built, so
+they stay usable. A non-finite loss stops training with an error naming the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from dew.checkpoint import Checkpoints
+from dew.data.dataset import Batch, Dataset, Partition, TrainStream
+from dew.objectives.base import Objective, Variables
+from dew.sharding import data_mesh, local_partition, replicated, shard_batch
+from dew.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+# CPU backends cannot always reuse donated buffers; that costs memory, not correctness.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+@struct.dataclass
+class TrainState:
+    """Everything training needs to continue, as device arrays.
+
+    params: the full Flax variables mapping (with its outer ``params`` collection).
+    ema: the averaged or frozen copy the objective asked for, or None.
+    step: batches consumed; updates: optimizer updates committed.
+    grad_sum, micro: the gradient sum and batch count of an open accumulation window
+    (None without accumulation).
+    """
+
+    params: Any
+    opt_state: Any
+    ema: Any
+    step: jax.Array
+    updates: jax.Array
+    key: jax.Array
+    grad_sum: Any = None
+    micro: jax.Array | None = None
+
+
+class Rollout(Protocol):
+    """Turns the next data batch into the batch to train on, on the host.
+
+    ``variables`` is the live policy, valid while the call runs (copy it to keep it);
+    ``version`` is the number of committed updates behind it. Returning ``None``
+    skips the update for this batch.
+    """
+
+    def __call__(self, batch: Batch, variables: Variables, version: int, key: jax.Array) -> Batch | None: ...
+
+
+class Trainer:
+    """Data-parallel training of one objective with one optax optimizer.
+
+    key: a JAX PRNG key; the initial variables and every step's randomness derive from it.
+    rollout: a :class:`Rollout` called before each update (RL objectives), or None.
+    accumulate: batches per optimizer update (gradient accumulation), default 1.
+    output_dir: where checkpoints and ``metrics.jsonl`` go; None writes nothing to disk.
+    checkpoint_every: steps between checkpoints when ``output_dir`` is set (and one at the end).
+    devices: the devices of the data mesh (default: all devices of all processes).
+    progress: show a progress bar in ``fit``.
+    """
+
+    def __init__(
+        self,
+        objective: Objective,
+        optimizer: optax.GradientTransformation,
+        *,
+        key: jax.Array,
+        rollout: Rollout | Callable | None = None,
+        accumulate: int = 1,
+        output_dir: str | Path | None = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int | None = 3,
+        devices=None,
+        progress: bool = True,
+    ):
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+        if checkpoint_every is not None and output_dir is None:
+            raise ValueError("checkpoint_every needs an output_dir to write checkpoints to")
+        if rollout is not None and not callable(rollout):
+            raise TypeError(f"rollout must be callable, got {type(rollout).__name__}")
+        if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
+            raise TypeError(f"optimizer must be an optax GradientTransformation, got {type(optimizer).__name__}")
+        self.objective = objective
+        self.optimizer = optimizer
+        self.rollout = rollout
+        self.accumulate = accumulate
+        self.output_dir = None if output_dir is None else Path(output_dir)
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self.progress = progress
+        self.mesh = data_mesh(devices)
+        self._replicated = replicated(self.mesh)
+        self._key = _as_key(key)
+        self._update = jax.jit(self._update_fn, donate_argnums=0)
+        self._evaluate = jax.jit(objective.evaluate)
+        self._init = jax.jit(self._state_from_key, out_shardings=self._replicated)
+
+    # ----- building states -------------------------------------------------------------------
+
+    def _state_from_key(self, key: jax.Array) -> TrainState:
+        init_key, run_key = jax.random.split(key)
+        # Copy so that donating the state never consumes a tree the caller owns (pretrained=).
+        params = jax.tree.map(jnp.copy, self.objective.init(init_key))
+        decay = self.objective.ema_decay
+        accumulating = self.accumulate > 1
+        return TrainState(
+            params=params,
+            opt_state=self.optimizer.init(params),
+            ema=None if decay is None else jax.tree.map(jnp.copy, params),
+            step=jnp.zeros((), jnp.int32),
+            updates=jnp.zeros((), jnp.int32),
+            key=run_key,
+            grad_sum=jax.tree.map(jnp.zeros_like, params) if accumulating else None,
+            micro=jnp.zeros((), jnp.int32) if accumulating else None,
+        )
+
+    def initial_state(self) -> TrainState:
+        """The state before any step, built eagerly and placed on the mesh (replicated)."""
+        return jax.device_put(self._state_from_key(self._key), self._replicated)
+
+    def _compiled_initial_state(self) -> TrainState:
+        return self._init(self._key)
+
+    # ----- the compiled update ---------------------------------------------------------------
+
+    def _apply(self, state: TrainState, grads, opt_state_params) -> tuple[Any, Any, Any]:
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, opt_state_params)
+        params = optax.apply_updates(state.params, updates)
+        decay = self.objective.ema_decay
+        if decay is None or decay == 1.0:
+            ema = state.ema  # none kept, or a frozen reference that must stay bit-identical
+        else:
+            ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, state.ema, params)
+        return params, opt_state, ema
+
+    def _update_fn(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        key = jax.random.fold_in(jax.random.fold_in(state.key, state.step), 0)
+        grad_fn = jax.value_and_grad(self.objective.loss, has_aux=True)
+        (loss, metrics), grads = grad_fn(state.params, state.ema, batch, key)
+        metrics = {"loss": loss, **metrics}
+        if self.accumulate == 1:
+            params, opt_state, ema = self._apply(state, grads, state.params)
+            state = state.replace(
+                params=params, opt_state=opt_state, ema=ema, step=state.step + 1, updates=state.updates + 1
+            )
+            return state, metrics
+
+        grad_sum = jax.tree.map(jnp.add, state.grad_sum, grads)
+        micro = state.micro + 1
+
+        def commit(operands):
+            state, grad_sum = operands
+            mean = jax.tree.map(lambda g: g / self.accumulate, grad_sum)
+            params, opt_state, ema = self._apply(state, mean, state.params)
+            return state.replace(
+                params=params,
+                opt_state=opt_state,
+                ema=ema,
+                updates=state.updates + 1,
+                grad_sum=jax.tree.map(jnp.zeros_like, grad_sum),
+                micro=jnp.zeros_like(micro),
+            )
+
+        def hold(operands):
+            state, grad_sum = operands
+            return state.replace(grad_sum=grad_sum, micro=micro)
+
+        state = jax.lax.cond(micro == self.accumulate, commit, hold, (state, grad_sum))
+        return state.replace(step=state.step + 1), metrics
+
+    # ----- step-wise API ---------------------------------------------------------------------
+
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, float]]:
+        """Consume one data batch: rollout (if any), then one compiled update.
+
+        ``state`` is donated to the update and must not be used afterwards. Returns the
+        new state and the step's metrics as host floats (empty when the rollout
+        returned nothing and no update was made).
+        """
+        step = int(state.step)
+        if self.rollout is not None:
+            rollout_key = jax.random.fold_in(jax.random.fold_in(state.key, step), 1)
+            batch = self.rollout(batch, state.params, int(state.updates), rollout_key)
+            if batch is None:
+                return state.replace(step=state.step + 1), {}
+        self.objective.validate(batch)
+        state, metrics = self._update(state, shard_batch(batch, self.mesh))
+        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(
+                f"the loss became {metrics['loss']} at step {step + 1} (batch {step} of this run's stream); "
+                "training stopped. Lower the learning rate or check the batch for bad values."
+            )
+        return state, metrics
+
+    def evaluate(self, state: TrainState, data: Dataset, partition: Partition | None = None) -> dict[str, float]:
+        """Validation metrics over every batch of ``data.val``; with a moving EMA also ``ema/...``."""
+        if data.val is None:
+            raise ValueError("the dataset has no validation split (Dataset.val is None)")
+        partition = partition or local_partition()
+        trees = {"": state.params}
+        decay = self.objective.ema_decay
+        if decay is not None and decay < 1.0:
+            trees["ema/"] = state.ema
+        totals: dict[str, dict[str, float]] = {prefix: {} for prefix in trees}
+        batches = 0
+        for batch in data.val(partition):
+            self.objective.validate(batch)
+            sharded = shard_batch(batch, self.mesh)
+            for prefix, variables in trees.items():
+                sums = jax.device_get(self._evaluate(variables, sharded))
+                for name, value in sums.items():
+                    totals[prefix][name] = totals[prefix].get(name, 0.0) + float(value)
+            batches += 1
+        if batches == 0:
+            raise ValueError("the validation split yielded no batches")
+        metrics = {}
+        for prefix, sums in totals.items():
+            for name, value in self.objective.summarize(sums).items():
+                metrics[prefix + name] = float(value)
+        return metrics
+
+    def save(self, state: TrainState, directory: str | Path, position: Any = None) -> None:
+        """Write ``state`` (and an optional data position) as a checkpoint numbered by its step."""
+        checkpoints = Checkpoints(directory, keep=self.keep_checkpoints)
+        try:
+            checkpoints.save(int(state.step), self._plain(state), position)
+        finally:
+            checkpoints.close()
+
+    def restore(self, directory: str | Path, step: int | None = None) -> tuple[TrainState, Any]:
+        """Read a checkpoint (default: the newest) as ``(state, data position)``."""
+        checkpoints = Checkpoints(directory, keep=self.keep_checkpoints)
+        try:
+            return self._restore_from(checkpoints, step)
+        finally:
+            checkpoints.close()
+
+    def _plain(self, state: TrainState) -> TrainState:
+        """The state with its PRNG key as raw data, the form checkpoints store."""
+        return state.replace(key=jax.random.key_data(state.key))
+
+    def _restore_from(self, checkpoints: Checkpoints, step: int | None = None) -> tuple[TrainState, Any]:
+        shapes = jax.eval_shape(lambda key: self._plain(self._state_from_key(key)), self._key)
+        template = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._replicated), shapes
+        )
+        plain, position = checkpoints.restore(template, step)
+        key = jax.random.wrap_key_data(plain.key, impl=jax.random.key_impl(self._key))
+        return plain.replace(key=key), position
+
+    # ----- the loop --------------------------------------------------------------------------
+
+    def fit(
+        self,
+        data: Dataset,
+        steps: int,
+        log_every: int = 100,
+        eval_every: int | None = None,
+    ) -> TrainState:
+        """Train until ``steps`` batches have been consumed in total and return the state.
+
+        With an output directory that already holds a checkpoint, training restores
+        the newest one and the data position, and continues to ``steps``.
+        """
+        if not isinstance(data, Dataset):
+            raise TypeError(f"fit needs a dew.Dataset, got {type(data).__name__}")
+        for name, value in (("steps", steps), ("log_every", log_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
+            raise ValueError(f"eval_every must be a positive integer or None, got {eval_every!r}")
+        partition = local_partition()
+        stream = TrainStream(data, partition)
+        checkpoints = None if self.output_dir is None else Checkpoints(self.output_dir, keep=self.keep_checkpoints)
+        if checkpoints is not None and checkpoints.latest_step() is not None:
+            state, position = self._restore_from(checkpoints)
+            stream.restore(position)
+            log.info("restored step %d from %s", int(state.step), self.output_dir)
+        else:
+            state = self._compiled_initial_state()
+        step = int(state.step)
+        tracker = Tracker(
+            total=steps, start=step, output_dir=self.output_dir, enabled=partition.index == 0, progress=self.progress
+        )
+        try:
+            while step < steps:
+                batch = next(stream)
+                if data.batch is not None:
+                    _check_rows(batch, data.batch, partition)
+                state, metrics = self.step(state, batch)
+                step += 1
+                tracker.advance(metrics.get("loss"))
+                if step % log_every == 0 or step == steps:
+                    tracker.log("train", step, {"updates": int(state.updates), **metrics})
+                if eval_every is not None and data.val is not None and step % eval_every == 0:
+                    tracker.log("val", step, self.evaluate(state, data, partition))
+                if checkpoints is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
+                    checkpoints.save(step, self._plain(state), stream.position())
+            if checkpoints is not None:
+                checkpoints.save(step, self._plain(state), stream.position())
+        finally:
+            tracker.close()
+            if checkpoints is not None:
+                checkpoints.close()
+        return state
+
+
+def _as_key(key) -> jax.Array:
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32:
+        return jax.random.wrap_key_data(key)
+    raise TypeError(f"key must be a JAX PRNG key such as jax.random.key(0), got {key!r}")
+
+
+def _check_rows(batch: Mapping[str, np.ndarray], global_rows: int, partition: Partition) -> None:
+    if not batch:
+        raise ValueError("the training stream yielded an empty batch")
+    rows = len(next(iter(batch.values())))
+    if rows * partition.count != global_rows:
+        raise ValueError(
+            f"the training stream yielded {rows} rows on each of {partition.count} process(es), "
+            f"but Dataset.batch is {global_rows}"
+        )
