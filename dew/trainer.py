@@ -153,10 +153,7 @@ class Trainer:
         )
 
     def initial_state(self) -> TrainState:
-        """The state before any step, built eagerly and placed on the mesh (replicated)."""
-        return jax.device_put(self._state_from_key(self._key), self._replicated)
-
-    def _compiled_initial_state(self) -> TrainState:
+        """The state before any step, replicated over the mesh; ``fit`` starts from the same one."""
         return self._init(self._key)
 
     # ----- the compiled update ---------------------------------------------------------------
@@ -316,7 +313,7 @@ class Trainer:
             stream.restore(position)
             log.info("restored step %d from %s", int(state.step), self.output_dir)
         else:
-            state = self._compiled_initial_state()
+            state = self.initial_state()
         step = int(state.step)
         tracker = Tracker(
             total=steps, start=step, output_dir=self.output_dir, enabled=partition.index == 0, progress=self.progress

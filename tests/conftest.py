@@ -1,0 +1,40 @@
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (own XLA flags, own JAX backend) and fail on a non-zero exit."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def tiny_model():
+    from dew import models
+
+    return models.build(
+        "causal_transformer", vocab_size=16, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=16
+    )

@@ -1,0 +1,125 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import models
+
+ALL_OPTIONS = dict(
+    vocab_size=40, emb_features=32, num_layers=2, num_heads=4, mlp_features=48, max_seq_len=32,
+    num_kv_heads=2, head_dim=12, rope_theta=500.0, norm_eps=1e-5, qk_norm=True, tie_embeddings=False,
+    attention_bias=True, logit_softcap=30.0,
+)
+
+
+def build(**overrides):
+    return models.build("causal_transformer", **{**ALL_OPTIONS, **overrides})
+
+
+def init(model, width=8):
+    return jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, width), jnp.int32))
+
+
+def test_options_create_the_family_parameters():
+    model = build()
+    params = init(model)["params"]
+    attention = params["layers_0"]["self_attn"]
+    assert attention["q_proj"]["kernel"].shape == (32, 4 * 12)
+    assert attention["k_proj"]["kernel"].shape == (32, 2 * 12)  # grouped-query: 2 KV heads
+    assert "bias" in attention["q_proj"] and "bias" not in attention["o_proj"]  # Qwen2 attention bias
+    assert attention["q_norm"]["scale"].shape == (12,)  # Qwen3 QK-norm over head_dim
+    assert "lm_head" in params  # untied embeddings
+    assert set(params["layers_0"]["mlp"]) == {"gate_proj", "up_proj", "down_proj"}  # SwiGLU
+    gelu = init(build(mlp_activation="gelu"))["params"]["layers_0"]["mlp"]
+    assert set(gelu) == {"up_proj", "down_proj"}
+    tied = init(build(tie_embeddings=True))["params"]
+    assert "lm_head" not in tied
+
+
+def test_softcap_bounds_logits():
+    model = build(logit_softcap=2.0)
+    variables = init(model)
+    apply = jax.jit(model.apply)
+    variables = jax.tree.map(lambda x: x * 50, variables)  # blow up the raw logits
+    logits = apply(variables, jnp.arange(8)[None] % 40)
+    assert float(jnp.abs(logits).max()) <= 2.0
+    assert float(jnp.abs(logits).max()) > 1.9
+
+
+@pytest.mark.parametrize("options", [{}, {"qk_norm": False, "tie_embeddings": True, "logit_softcap": None}])
+def test_two_packed_documents_equal_each_alone(options):
+    model = build(**options)
+    variables = init(model)
+    apply = jax.jit(model.apply)
+    rng = np.random.default_rng(1)
+    first, second = rng.integers(0, 40, 5), rng.integers(0, 40, 7)
+    row = np.concatenate([first, second, [0, 0]])[None]
+    segments = np.array([[1] * 5 + [2] * 7 + [0, 0]])
+    positions = np.array([list(range(5)) + list(range(7)) + [0, 0]])
+    packed = apply(variables, row, segment_ids=segments, positions=positions)
+    alone_first = apply(variables, first[None])
+    alone_second = apply(variables, second[None])
+    np.testing.assert_allclose(packed[0, :5], alone_first[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[0, 5:12], alone_second[0], atol=1e-5, rtol=0)
+
+
+def test_kv_cache_decode_equals_full_forward():
+    model = build()
+    variables = init(model)
+    apply = jax.jit(model.apply)
+    tokens = np.random.default_rng(2).integers(0, 40, (3, 12))
+    full = apply(variables, tokens)
+    cache = models.init_cache(model, batch=3, capacity=16)
+    logits, cache = apply(variables, tokens[:, :5], cache=cache)  # prefill
+    pieces = [logits]
+    for t in range(5, 12):  # then one token at a time
+        logits, cache = apply(variables, tokens[:, t : t + 1], cache=cache)
+        pieces.append(logits)
+    np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(cache.lengths, [12, 12, 12])
+
+
+def test_prefill_of_different_valid_lengths_shares_one_shape():
+    model = build()
+    variables = init(model)
+    apply = jax.jit(model.apply)
+    rng = np.random.default_rng(3)
+    short, long = rng.integers(0, 40, 3), rng.integers(0, 40, 6)
+    chunk = np.zeros((2, 6), np.int64)
+    chunk[0, :3], chunk[1] = short, long
+    cache = models.init_cache(model, batch=2, capacity=10)
+    logits, cache = apply(variables, chunk, cache=cache, lengths=jnp.array([3, 6]))
+    np.testing.assert_array_equal(cache.lengths, [3, 6])
+    np.testing.assert_allclose(logits[0, :3], apply(variables, short[None])[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits[1], apply(variables, long[None])[0], atol=1e-5, rtol=0)
+    # Row 0 continues from its own length; row 1 is finished (length 0 this step) and its cache stays as it was.
+    following = rng.integers(0, 40, 1)
+    before = jax.tree.map(np.asarray, cache)
+    step, cache = apply(variables, np.array([[following[0]], [7]]), cache=cache, lengths=jnp.array([1, 0]))
+    expected = apply(variables, np.concatenate([short, following])[None])[0, -1]
+    np.testing.assert_allclose(step[0, 0], expected, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(cache.keys[:, 1], before.keys[:, 1])
+    np.testing.assert_array_equal(cache.values[:, 1], before.values[:, 1])
+    np.testing.assert_array_equal(cache.lengths, [4, 6])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_kv_heads": 3}, "num_kv_heads must divide num_heads=4"),
+        ({"head_dim": None, "emb_features": 30}, "not divisible by num_heads"),
+        ({"mlp_activation": "relu"}, "mlp_activation must be one of"),
+        ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+        ({"logit_softcap": -1.0}, "logit_softcap must be positive"),
+    ],
+)
+def test_bad_configs_raise(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build(**overrides)
+
+
+def test_unknown_model_and_option_raise():
+    with pytest.raises(ValueError, match="unknown model 'gpt'"):
+        models.build("gpt")
+    with pytest.raises(TypeError, match="causal_transformer"):
+        build(hidden_size=3)
