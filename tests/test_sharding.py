@@ -1,0 +1,118 @@
+import json
+
+import pytest
+
+from conftest import free_port, run_python
+
+EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+TRAIN = """
+import itertools, json, sys
+import jax, numpy as np, optax
+from dew import Dataset, Trainer, models
+from dew.objectives import LMObjective
+
+model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=2, num_heads=2,
+                     mlp_features=32, max_seq_len=12)
+GLOBAL = np.random.default_rng(0).integers(0, 32, (8, 13)).astype(np.int32)
+
+def trainer(devices=None):
+    objective = LMObjective(model, seq_len=12, ema_decay=None)
+    return Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), devices=devices, progress=False)
+"""
+
+
+def test_one_device_equals_eight_devices():
+    result = run_python(
+        TRAIN
+        + """
+assert jax.device_count() == 8
+losses = {}
+for name, devices in (("one", jax.devices()[:1]), ("eight", jax.devices())):
+    t = trainer(devices)
+    state = t.initial_state()
+    losses[name] = []
+    for step in range(4):
+        state, metrics = t.step(state, {"text": GLOBAL})
+        losses[name].append(metrics["loss"])
+    leaves = jax.tree.leaves(state.params)
+    assert len(leaves[0].sharding.device_set) == len(devices)
+    losses[name + "_params"] = [np.asarray(x).tolist() for x in leaves]
+try:
+    trainer().step(trainer().initial_state(), {"text": GLOBAL[:6]})
+except ValueError as error:
+    losses["error"] = str(error)
+print(json.dumps(losses))
+""",
+        env=EIGHT_DEVICES,
+    )
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["one"] == pytest.approx(out["eight"], abs=1e-5)
+    assert out["one"][-1] < out["one"][0]
+    import numpy as np
+
+    for a, b in zip(out["one_params"], out["eight_params"], strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert out["error"] == "a batch of 6 rows does not divide across 8 devices; use a batch size that is a multiple of 8"
+
+
+WORKER = (
+    TRAIN
+    + """
+from dew.sharding import initialize_processes
+process, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+partition = initialize_processes(f"127.0.0.1:{port}", 2, process, local_device_count=1)
+assert (partition.index, partition.count, jax.device_count(), jax.local_device_count()) == (process, 2, 2, 1)
+
+def train(partition):
+    rows = len(GLOBAL) // partition.count  # each process reads only its own rows of the global batch
+    mine = {"text": GLOBAL[partition.index * rows:(partition.index + 1) * rows]}
+    return itertools.repeat(mine)
+
+state = trainer().fit(Dataset(train=train, batch=8), steps=3, log_every=3)
+params = [np.asarray(x.addressable_data(0)).tolist() for x in jax.tree.leaves(state.params)]
+json.dump(params, open(out, "w"))
+jax.distributed.shutdown()
+"""
+)
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    import numpy as np
+
+    from conftest import ROOT
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(WORKER), str(rank), str(port), str(tmp_path / f"{rank}.json")],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [worker.communicate(timeout=240)[0] for worker in workers]
+    for worker, output in zip(workers, outputs):
+        assert worker.returncode == 0, output
+    # The reference is one process holding two devices: the same global batch split the same way,
+    # so only the process boundary (gloo instead of in-process collectives) differs.
+    single = run_python(
+        TRAIN
+        + """
+assert jax.process_count() == 1 and jax.device_count() == 2
+state = trainer().fit(Dataset(train=lambda p: itertools.repeat({"text": GLOBAL}), batch=8), steps=3, log_every=3)
+print(json.dumps([np.asarray(x).tolist() for x in jax.tree.leaves(state.params)]))
+""",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
+    reference = json.loads(single.stdout.strip().splitlines()[-1])
+    for rank in range(2):
+        params = json.loads((tmp_path / f"{rank}.json").read_text())
+        for a, b in zip(params, reference, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

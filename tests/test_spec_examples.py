@@ -1,0 +1,63 @@
+"""The spec's code blocks run as written, after the TinyStories stand-in prelude."""
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+SPEC = ROOT.parent / "shared" / "spec" / "post-training.txt"
+BLOCKS = ROOT / "examples" / "spec"
+
+
+def spec_block(first_line: str, last_line_prefix: str) -> str:
+    lines = SPEC.read_text().split("\n")
+    start = lines.index(first_line)
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith(last_line_prefix))
+    return "\n".join(lines[start : end + 1]) + "\n"
+
+
+@pytest.mark.skipif(not SPEC.exists(), reason="the spec is not beside this checkout (../shared/spec)")
+def test_sft_block_is_the_spec_verbatim():
+    assert (BLOCKS / "sft.py").read_text() == spec_block("import itertools", ").fit(sft_data")
+
+
+@pytest.fixture(scope="module")
+def prelude():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import tinystories
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return tinystories
+
+
+@pytest.mark.slow
+def test_prelude_keeps_the_spec_rows_within_their_widths(prelude):
+    tokenizer = prelude.tokenizer
+    prompt = tokenizer.encode("Tom had a red ball.")
+    rejected = tokenizer.encode(" He kicked kicked kicked it.")
+    assert len(prompt + rejected) <= 16  # PreferencePairs(seq_len=16) in the DPO block
+    grpo_prompt = tokenizer.encode("Once upon a time, there was a little")
+    assert len(grpo_prompt) + 8 <= prelude.model.max_seq_len  # P + R tokens of context in the GRPO block
+
+
+@pytest.mark.slow
+def test_sft_block_runs_after_the_prelude_and_leaves_lm_state_usable(prelude):
+    before = jax.device_get(prelude.lm_state.params)
+    code = (BLOCKS / "sft.py").read_text()
+    for _ in range(2):  # any order, each starting from lm_state.params
+        namespace = {name: getattr(prelude, name) for name in prelude.__all__}
+        exec(compile(code, "spec/sft.py", "exec"), namespace)
+        state = namespace["sft_state"]
+        assert int(state.step) == 20 and int(state.updates) == 20
+    for a, b in zip(jax.tree.leaves(prelude.lm_state.params), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+    objective, batch = namespace["sft_objective"], namespace["sft_batch"]
+    start_loss, _ = objective.loss(prelude.lm_state.params, None, batch, None)
+    end_loss, metrics = objective.loss(state.params, None, batch, None)
+    assert float(metrics["target_tokens"]) == 8 * len(namespace["response"])  # assistant targets only
+    assert float(end_loss) < 0.5 * float(start_loss)
