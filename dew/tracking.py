@@ -1,6 +1,8 @@
 """Where training metrics go: a console progress bar with log lines, and a JSONL file.
 
-The console shows a tqdm bar (steps/s and ETA) and prints one line per logged step.
+The console shows a tqdm bar (steps/s and ETA) on standard error and prints one line
+per logged step with the rate and ETA on standard output, so logs captured by a job
+runner without the bar still say how fast training goes.
 With an output directory every logged record is also appended to
 ``<output_dir>/metrics.jsonl``; without one nothing is written to disk. Only the
 first process of a multi-process job reports.
@@ -36,6 +38,7 @@ class Tracker:
         self._bar = None
         self._start_time = time.perf_counter()
         self._start_step = start
+        self._total = total
         if not enabled:
             return
         if output_dir is not None:
@@ -43,7 +46,12 @@ class Tracker:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a")
         if progress:
-            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr, leave=False)
+            # Redraw less often where the bar goes to a log file rather than a terminal.
+            interval = 0.1 if sys.stderr.isatty() else 2.0
+            self._bar = tqdm(
+                total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr, leave=False,
+                mininterval=interval,
+            )
 
     def advance(self, loss: float | None = None) -> None:
         if self._bar is not None:
@@ -57,7 +65,9 @@ class Tracker:
         record = {"kind": kind, "step": step, **metrics}
         if kind == "train":
             elapsed = time.perf_counter() - self._start_time
-            record["steps_per_second"] = (step - self._start_step) / elapsed if elapsed > 0 else float("nan")
+            rate = (step - self._start_step) / elapsed if elapsed > 0 else float("nan")
+            record["steps_per_second"] = rate
+            record["eta_seconds"] = (self._total - step) / rate if rate > 0 else float("nan")
         line = f"[{kind}] step {step} | " + format_metrics({k: v for k, v in record.items() if k not in ("kind", "step")})
         if self._bar is not None:
             self._bar.write(line, file=sys.stdout)

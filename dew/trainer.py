@@ -158,8 +158,9 @@ class Trainer:
 
     # ----- the compiled update ---------------------------------------------------------------
 
-    def _apply(self, state: TrainState, grads, opt_state_params) -> tuple[Any, Any, Any]:
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, opt_state_params)
+    def _apply(self, state: TrainState, grads) -> tuple[Any, Any, Any]:
+        """Commit one optimizer update; returns the new params, optimizer state and EMA."""
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         decay = self.objective.ema_decay
         if decay is None or decay == 1.0:
@@ -174,7 +175,7 @@ class Trainer:
         (loss, metrics), grads = grad_fn(state.params, state.ema, batch, key)
         metrics = {"loss": loss, **metrics}
         if self.accumulate == 1:
-            params, opt_state, ema = self._apply(state, grads, state.params)
+            params, opt_state, ema = self._apply(state, grads)
             state = state.replace(
                 params=params, opt_state=opt_state, ema=ema, step=state.step + 1, updates=state.updates + 1
             )
@@ -186,7 +187,7 @@ class Trainer:
         def commit(operands):
             state, grad_sum = operands
             mean = jax.tree.map(lambda g: g / self.accumulate, grad_sum)
-            params, opt_state, ema = self._apply(state, mean, state.params)
+            params, opt_state, ema = self._apply(state, mean)
             return state.replace(
                 params=params,
                 opt_state=opt_state,

@@ -61,3 +61,13 @@ def test_sft_block_runs_after_the_prelude_and_leaves_lm_state_usable(prelude):
     end_loss, metrics = objective.loss(state.params, None, batch, None)
     assert float(metrics["target_tokens"]) == 8 * len(namespace["response"])  # assistant targets only
     assert float(end_loss) < 0.5 * float(start_loss)
+
+
+def test_readme_python_blocks_run(capsys):
+    text = (ROOT / "README.md").read_text()
+    blocks = [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]
+    assert blocks, "the README has no python example"
+    for block in blocks:
+        namespace = {}
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert int(namespace["state"].updates) == 20

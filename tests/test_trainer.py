@@ -195,7 +195,7 @@ def test_bad_inputs_to_fit_raise(tiny_model):
         trainer.fit(itertools.repeat(random_rows(4)), steps=1, log_every=1)
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         trainer.fit(repeating(random_rows(4), 4), steps=0, log_every=1)
-    with pytest.raises(StopIteration, match="ended after 2 batches"):
+    with pytest.raises(RuntimeError, match="ended after 2 batches, before fit reached its step count"):
         trainer.fit(Dataset(train=lambda p: iter([random_rows(4)] * 2)), steps=3, log_every=1)
     with pytest.raises(ValueError, match="has width 5, expected seq_len \\+ 1 = 9"):
         trainer.fit(repeating({"text": np.zeros((4, 5), np.int32)}), steps=1, log_every=1)
@@ -203,3 +203,23 @@ def test_bad_inputs_to_fit_raise(tiny_model):
         Trainer(objective(tiny_model), optax.adam(1e-2), key=0)
     with pytest.raises(ValueError, match="accumulate must be a positive integer"):
         Trainer(objective(tiny_model), optax.adam(1e-2), key=jax.random.key(0), accumulate=0)
+
+
+def test_bfloat16_compute_trains_float32_master_weights():
+    from dew import models
+
+    def fit(dtype):
+        model = models.build("causal_transformer", vocab_size=VOCAB, emb_features=16, num_layers=1, num_heads=2,
+                             mlp_features=32, max_seq_len=16, dtype=dtype)
+        trainer = Trainer(objective(model), optax.adam(1e-2), key=jax.random.key(0), progress=False)
+        state = trainer.initial_state()
+        losses = []
+        for index in range(4):
+            state, metrics = trainer.step(state, random_rows(4, seed=index))
+            losses.append(metrics["loss"])
+        return state, losses
+
+    half, half_losses = fit(jnp.bfloat16)
+    full, full_losses = fit(jnp.float32)
+    assert {leaf.dtype for leaf in jax.tree.leaves(half.params)} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_allclose(half_losses, full_losses, atol=2e-2, rtol=0)

@@ -97,6 +97,9 @@ class TrainStream:
         try:
             batch = next(self._iterator)
         except StopIteration:
-            raise StopIteration(f"the training stream ended after {self.consumed} batches") from None
+            # A StopIteration escaping fit() could silently end a caller's loop; say it plainly instead.
+            raise RuntimeError(
+                f"the training stream ended after {self.consumed} batches, before fit reached its step count"
+            ) from None
         self.consumed += 1
         return batch
