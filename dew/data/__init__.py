@@ -1,6 +1,12 @@
-"""Data the trainer reads: Dataset, partitions, stream positions, chat roles and packing."""
+"""Data the trainer reads: Dataset, partitions, stream positions, chat roles, packing and file loaders."""
 
 from dew.data.dataset import Batch, Dataset, Partition, StreamPosition
+from dew.data.loading import Loading, RecordError
 from dew.data.packing import pack_documents
+from dew.data.preference import PreferencePairs
+from dew.data.prompts import Prompts
 
-__all__ = ["Batch", "Dataset", "Partition", "StreamPosition", "pack_documents"]
+__all__ = [
+    "Batch", "Dataset", "Loading", "Partition", "PreferencePairs", "Prompts", "RecordError", "StreamPosition",
+    "pack_documents",
+]

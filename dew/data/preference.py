@@ -1,0 +1,85 @@
+"""Preference pairs for DPO: ``PreferencePairs``.
+
+Each record has ``chosen`` and ``rejected`` token-id lists (prompt followed by that
+side's answer) and optional ``chosen_mask``/``rejected_mask`` lists of the same length
+marking completion tokens with 1 and prompt tokens with 0. A missing mask means every
+token is completion; dew never guesses a boundary from text. ``load(batch=B)`` gives
+
+- ``input_ids``: [B, 2, S] int32, index 0 the chosen and 1 the rejected sequence,
+  right-padded with ``pad_id``;
+- ``completion_mask``: [B, 2, S] int32, 0 on prompt tokens and padding.
+
+``S`` is ``seq_len``, the full row width; a sequence longer than it raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from dew.data.loading import Loading, PartitionedLoader, Record
+
+SIDES = ("chosen", "rejected")
+
+
+def token_ids(record: Record, field: str, value) -> list[int]:
+    """A list of non-negative integer ids (booleans refused), or a RecordError naming the field."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise record.error(field, f"expected a list of token ids, got {type(value).__name__}")
+    for position, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, (int, np.integer)) or item < 0:
+            raise record.error(field, f"item {position} is {item!r}; token ids are non-negative integers")
+    return [int(item) for item in value]
+
+
+class PreferencePairs(PartitionedLoader):
+    """Chosen and rejected sequences with completion masks, from records or a Parquet/JSONL file."""
+
+    owner = "PreferencePairs"
+
+    def __init__(
+        self,
+        records: Iterable[str | Mapping] | None = None,
+        path: str | Path | None = None,
+        *,
+        seq_len: int,
+        pad_id: int = 0,
+        loading: Loading | None = None,
+    ):
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+            raise ValueError(f"PreferencePairs: seq_len must be an integer >= 2, got {seq_len!r}")
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+            raise ValueError(f"PreferencePairs: pad_id must be a non-negative integer, got {pad_id!r}")
+        self.seq_len, self.pad_id = seq_len, pad_id
+        super().__init__(records, path, loading)
+
+    def encode(self, record: Record) -> dict[str, np.ndarray]:
+        ids = np.full((2, self.seq_len), self.pad_id, np.int32)
+        mask = np.zeros((2, self.seq_len), np.int32)
+        for index, side in enumerate(SIDES):
+            if side not in record.fields:
+                raise record.error(side, f"missing; a preference pair needs {' and '.join(SIDES)}")
+            sequence = token_ids(record, side, record.fields[side])
+            if not sequence:
+                raise record.error(side, "is empty")
+            if len(sequence) > self.seq_len:
+                raise record.error(side, f"has {len(sequence)} ids, more than seq_len={self.seq_len}")
+            weights = record.fields.get(f"{side}_mask")
+            if weights is None:
+                weights = [1] * len(sequence)  # no mask: the whole sequence is completion
+            weights = list(weights.tolist() if isinstance(weights, np.ndarray) else weights)
+            if len(weights) != len(sequence):
+                raise record.error(
+                    f"{side}_mask", f"has {len(weights)} entries but {side} has {len(sequence)} ids"
+                )
+            if any(w not in (0, 1) for w in weights):
+                raise record.error(f"{side}_mask", "entries must be 0 (prompt) or 1 (completion)")
+            if not any(weights):
+                raise record.error(f"{side}_mask", "marks no completion token")
+            ids[index, : len(sequence)] = sequence
+            mask[index, : len(sequence)] = weights
+        return {"input_ids": ids, "completion_mask": mask}

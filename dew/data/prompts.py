@@ -1,0 +1,171 @@
+"""Prompt rows for GRPO: ``Prompts``.
+
+Each record has ``prompt`` and the reward metadata ``data_source``, ``ground_truth`` and
+``extra_info``. The prompt is a list of token ids, a string, or a list of
+``{"role", "content"}`` messages; strings and messages need a tokenizer (messages are
+rendered with its chat template and the generation header), token-id lists load none.
+verl's parquet layout is read as verl writes it: ``reward_model.ground_truth`` is the
+ground truth, ``extra_info`` (with its ``tools_kwargs``) travels whole, and ``ability``
+and ``agent_name`` are read and dropped. A missing reward field becomes an empty
+string; metadata that is not a string travels as JSON text.
+
+``load(batch=B)`` yields
+
+- ``prompt``: [B, P] int32, left-padded with ``pad_id``; a longer prompt keeps its end;
+- ``prompt_length``: [B] int32, the real ids in each row;
+- ``data_source``, ``ground_truth``, ``extra_info``: [B, W] int32 UTF-8 byte values,
+  zero-padded on the right, ``W`` the longest value of that field over all records.
+
+``SampledRollout`` turns the byte columns back into strings for the reward.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from dew.data.loading import Loading, PartitionedLoader, Record
+from dew.data.preference import token_ids
+
+METADATA = ("data_source", "ground_truth", "extra_info")
+DROPPED = ("ability", "agent_name")  # verl columns with no place in a prompt batch
+
+
+def metadata_text(record: Record, field: str) -> str:
+    """A reward field as text: strings as they are, anything else as JSON, missing as ''."""
+    fields = record.fields
+    if field == "ground_truth" and "ground_truth" not in fields and isinstance(fields.get("reward_model"), Mapping):
+        value = fields["reward_model"].get("ground_truth")
+    else:
+        value = fields.get(field)
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, sort_keys=True, default=_json_default)
+    except TypeError as error:
+        raise record.error(field, f"cannot be written as JSON text ({error})") from None
+
+
+def _json_default(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def utf8_column(texts: list[str]) -> np.ndarray:
+    """Strings as a [rows, longest] int32 array of UTF-8 byte values, zero-padded."""
+    encoded = [text.encode("utf-8") for text in texts]
+    width = max((len(b) for b in encoded), default=0)
+    out = np.zeros((len(encoded), width), np.int32)
+    for row, data in enumerate(encoded):
+        out[row, : len(data)] = np.frombuffer(data, np.uint8)
+    return out
+
+
+def utf8_text(row: np.ndarray) -> str:
+    """The inverse of one row of :func:`utf8_column`."""
+    data = np.asarray(row).astype(np.uint8).tobytes()
+    return data.rstrip(b"\x00").decode("utf-8")
+
+
+class Prompts(PartitionedLoader):
+    """Prompts with reward metadata, from records or a Parquet/JSONL file (verl's layout included)."""
+
+    owner = "Prompts"
+
+    def __init__(
+        self,
+        records: Iterable[str | Mapping] | None = None,
+        path: str | Path | None = None,
+        *,
+        tokenizer=None,
+        max_prompt_len: int,
+        pad_id: int | None = None,
+        loading: Loading | None = None,
+    ):
+        if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, int) or max_prompt_len < 1:
+            raise ValueError(f"Prompts: max_prompt_len must be a positive integer, got {max_prompt_len!r}")
+        super().__init__(records, path, loading)
+        self.max_prompt_len = max_prompt_len
+        self._tokenizer = None if isinstance(tokenizer, (str, Path)) else tokenizer
+        needs_tokenizer = next((r for r in self.records if not _is_id_list(r.fields.get("prompt"))), None)
+        if needs_tokenizer is not None and tokenizer is None:
+            kind = type(needs_tokenizer.fields.get("prompt")).__name__
+            raise needs_tokenizer.error(
+                "prompt", f"is a {kind}, not a list of token ids, so Prompts needs a tokenizer (tokenizer=...)"
+            )
+        if needs_tokenizer is not None and self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        if pad_id is None:
+            pad_id = getattr(self._tokenizer, "pad_token_id", None) or 0
+        self.pad_id = int(pad_id)
+        # Widths over every record, not this process's share, so all processes agree on shapes.
+        self._metadata = {
+            field: utf8_column([metadata_text(r, field) for r in self.records]) for field in METADATA
+        }
+        self._index = {(r.source, r.row): index for index, r in enumerate(self.records)}
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def prompt_ids(self, record: Record) -> list[int]:
+        if "prompt" not in record.fields:
+            raise record.error("prompt", "missing")
+        prompt = record.fields["prompt"]
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
+        if _is_id_list(prompt):
+            ids = token_ids(record, "prompt", prompt)
+        elif isinstance(prompt, str):
+            ids = list(self._tokenizer.encode(prompt, add_special_tokens=False))
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            for index, message in enumerate(prompt):
+                for key in ("role", "content"):
+                    if key not in message:
+                        raise record.error("prompt", f"message {index} has no {key!r}")
+            ids = _chat_ids(self._tokenizer, [dict(m) for m in prompt], record)
+        else:
+            raise record.error("prompt", "must be token ids, a string or a list of role/content messages")
+        if not ids:
+            raise record.error("prompt", "is empty")
+        return ids
+
+    def encode(self, record: Record) -> dict[str, np.ndarray]:
+        ids = self.prompt_ids(record)[-self.max_prompt_len :]  # a long prompt keeps its end
+        prompt = np.full(self.max_prompt_len, self.pad_id, np.int32)
+        prompt[self.max_prompt_len - len(ids) :] = ids
+        out = {"prompt": prompt, "prompt_length": np.int32(len(ids))}
+        index = self._index[(record.source, record.row)]
+        for field in METADATA:
+            out[field] = self._metadata[field][index]
+        return out
+
+
+def _is_id_list(value) -> bool:
+    if isinstance(value, np.ndarray):
+        return np.issubdtype(value.dtype, np.integer)
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(item, (int, np.integer)) and not isinstance(item, bool) for item in value
+    )
+
+
+def _chat_ids(tokenizer, messages: list[dict], record: Record) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise record.error("prompt", "holds messages but the tokenizer has no chat template")
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as error:  # a template's own checks raise many types
+        raise record.error("prompt", f"the chat template refused these messages ({error})") from None
+    if isinstance(rendered, Mapping):  # transformers may return a BatchEncoding
+        rendered = rendered["input_ids"]
+    return [int(i) for i in rendered]
