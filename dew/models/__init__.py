@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dew.models.pretrained import Pretrained, load_pretrained
 from dew.models.transformer import CausalTransformer, KVCache, init_cache, validate_config
 
 _REGISTRY: dict[str, Callable] = {}
@@ -36,4 +37,4 @@ def _causal_transformer(**config) -> CausalTransformer:
 
 register("causal_transformer", _causal_transformer)
 
-__all__ = ["CausalTransformer", "KVCache", "build", "init_cache", "register"]
+__all__ = ["CausalTransformer", "KVCache", "Pretrained", "build", "init_cache", "load_pretrained", "register"]
