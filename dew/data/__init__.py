@@ -1,5 +1,6 @@
 """Data the trainer reads: Dataset, partitions, stream positions, chat roles, packing and file loaders."""
 
+from dew.data.chat import ChatMessages, HFOptions, Role
 from dew.data.dataset import Batch, Dataset, Partition, StreamPosition
 from dew.data.loading import Loading, RecordError
 from dew.data.packing import pack_documents
@@ -7,6 +8,6 @@ from dew.data.preference import PreferencePairs
 from dew.data.prompts import Prompts
 
 __all__ = [
-    "Batch", "Dataset", "Loading", "Partition", "PreferencePairs", "Prompts", "RecordError", "StreamPosition",
-    "pack_documents",
+    "Batch", "ChatMessages", "Dataset", "HFOptions", "Loading", "Partition", "PreferencePairs", "Prompts",
+    "RecordError", "Role", "StreamPosition", "pack_documents",
 ]

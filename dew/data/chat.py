@@ -1,20 +1,305 @@
-"""Roles of tokens in a conversation.
+"""Conversations for SFT: token roles (``Role``) and the ``ChatMessages`` loader.
 
 Each token of a chat row carries the role of the message it came from, stored as a
 small integer (``np.int8``) in the ``text_roles`` column. ``LMObjective(loss_role=...)``
 counts only targets of one role, usually ``Role.ASSISTANT``.
+
+``ChatMessages`` renders each conversation with the tokenizer's chat template one
+prefix at a time: the ids a message adds to the render of the messages before it get
+that message's role. Before an assistant message the template's generation header
+(``add_generation_prompt``) is rendered on its own and gets ``Role.HEADER``, so the
+assistant span starts after it. Every tokenized prefix must be the start of the
+longer render; a template that rewrites earlier tokens (Qwen3's original template
+drops earlier reasoning, for example) raises, because no per-token role would be
+right for it. This check does not prove the masks right for every template: look at
+``render(messages)`` for typical conversations before a real run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.data.dataset import Dataset, Partition
+from dew.data.loading import Loading, PartitionedLoader, Record, RecordError, RecordStream, local_rows
 
 
 class Role(enum.IntEnum):
-    """The role value of a token. ``PAD`` marks padding, which never counts as a target."""
+    """The role value of a token. ``PAD`` marks padding, which never counts as a target.
+
+    ``HEADER`` marks the template tokens that open an assistant turn (the generation
+    prompt, such as ``<|im_start|>assistant\\n``): the model sees them as context, and
+    an assistant-only loss does not train on them.
+    """
 
     PAD = 0
     SYSTEM = 1
     USER = 2
     ASSISTANT = 3
     TOOL = 4
+    HEADER = 5
+
+
+MESSAGE_ROLES = {"system": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT, "tool": Role.TOOL}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HFOptions:
+    """What ChatMessages passes to ``datasets.load_dataset`` for a Hub dataset id."""
+
+    name: str | None = None
+    data_dir: str | None = None
+    data_files: Any = None
+    revision: str | None = None
+    cache_dir: str | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def kwargs(self) -> dict[str, Any]:
+        fields = {"name": self.name, "data_dir": self.data_dir, "data_files": self.data_files,
+                  "revision": self.revision, "cache_dir": self.cache_dir}
+        return {**{k: v for k, v in fields.items() if v is not None}, **self.extra}
+
+
+def load_tokenizer(tokenizer):
+    """A tokenizer object, or one loaded with ``AutoTokenizer`` from a Hub name or local path."""
+    if isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} has no chat template; "
+            "ChatMessages needs one to turn messages into tokens (set tokenizer.chat_template)"
+        )
+    return tokenizer
+
+
+class ChatMessages(PartitionedLoader):
+    """Conversations from Parquet, JSON lines or a Hugging Face dataset, packed for LMObjective.
+
+    tokenizer: a tokenizer with a chat template, or a Hub name or local path for AutoTokenizer.
+    path: a ``.parquet``/``.jsonl``/``.json`` file, a ``datasets`` directory saved with
+        ``save_to_disk``, a ``datasets.Dataset``/``DatasetDict``, or a Hub dataset id.
+    seq_len: L, the predicted positions; each row holds ``L + 1`` ids.
+    column: the messages column (default ``messages``); a row without it but with a
+        ``prompt`` column (verl's layout) is read from ``prompt``. A ``tools`` column
+        (a list of schemas or its JSON text) is passed to the template.
+    split, options: the split and :class:`HFOptions` for a Hub dataset.
+    val_path: conversations for validation, read the same way.
+    """
+
+    owner = "ChatMessages"
+
+    def __init__(
+        self,
+        tokenizer,
+        path,
+        seq_len: int,
+        column: str = "messages",
+        split: str = "train",
+        options: HFOptions | None = None,
+        val_path=None,
+        loading: Loading | None = None,
+    ):
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"ChatMessages: seq_len must be a positive integer, got {seq_len!r}")
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.seq_len, self.column, self.split = seq_len, column, split
+        self.options = options or HFOptions()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        super().__init__(read_conversations(path, split, self.options), loading)
+        self.val_records = None if val_path is None else read_conversations(val_path, split, self.options)
+
+    # ----- rendering -----------------------------------------------------------------------
+
+    def messages_of(self, record: Record) -> tuple[list[dict], list | None]:
+        fields = record.fields
+        column = self.column if self.column in fields else "prompt" if "prompt" in fields else None
+        if column is None or fields[column] is None:
+            raise record.error(self.column, "missing (and no 'prompt' column in verl's layout)")
+        messages = fields[column]
+        if isinstance(messages, str):
+            try:
+                messages = json.loads(messages)
+            except json.JSONDecodeError:
+                raise record.error(column, "is a string that is not JSON messages") from None
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise record.error(column, "must be a non-empty list of messages")
+        out = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise record.error(column, f"message {index} is a {type(message).__name__}, not a mapping")
+            if "role" not in message or message["role"] is None:
+                raise record.error(column, f"message {index} has no 'role'")
+            if message["role"] not in MESSAGE_ROLES:
+                raise record.error(
+                    column, f"message {index} has role {message['role']!r}; the roles are {sorted(MESSAGE_ROLES)}"
+                )
+            out.append({key: value for key, value in message.items() if value is not None})
+        if out[0]["role"] not in ("system", "user"):
+            raise record.error(column, f"starts with a {out[0]['role']} message; conversations start with system or user")
+        tools = fields.get("tools")
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools) if tools else None
+            except json.JSONDecodeError:
+                raise record.error("tools", "is a string that is not JSON tool schemas") from None
+        return out, tools or None
+
+    def _ids(self, messages, tools, generation: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render(self, messages: Sequence[Mapping], tools: Sequence | None = None, record: Record | None = None):
+        """Token ids and roles ``(list[int], list[Role])`` of one conversation."""
+        record = record or Record("messages", 0, {})
+        ids: list[int] = []
+        roles: list[int] = []
+        for index, message in enumerate(messages):
+            role = MESSAGE_ROLES[message["role"]]
+            if role == Role.ASSISTANT:
+                header = self._extend(ids, self._ids(messages[:index], tools, True), record, index, "generation header")
+                ids += header
+                roles += [Role.HEADER] * len(header)
+            elif index + 1 < len(messages) and messages[index + 1]["role"] == message["role"]:
+                # A run of same-role messages (consecutive tool results) is one turn: templates close
+                # the turn only after its last message, so the prefix is taken at the end of the run.
+                continue
+            try:
+                rendered = self._ids(messages[: index + 1], tools, False)
+            except Exception as error:  # a template's own checks raise many types
+                raise record.error(self.column, f"the chat template refused message {index} ({error})") from None
+            added = self._extend(ids, rendered, record, index, f"message {index}")
+            ids += added
+            roles += [role] * len(added)
+        return ids, roles
+
+    def _extend(self, ids: list[int], rendered: list[int], record: Record, index: int, what: str) -> list[int]:
+        if rendered[: len(ids)] != ids:
+            at = next((i for i, (a, b) in enumerate(zip(ids, rendered)) if a != b), min(len(ids), len(rendered)))
+            raise record.error(
+                self.column,
+                f"the chat template changes earlier tokens when it renders {what} (first difference at token {at}); "
+                "per-token roles need a template whose renders extend each other",
+            )
+        return rendered[len(ids) :]
+
+    def encode(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
+        messages, tools = self.messages_of(record)
+        ids, roles = self.render(messages, tools, record)
+        if len(ids) > self.seq_len + 1:
+            raise record.error(
+                self.column, f"renders to {len(ids)} tokens, more than seq_len + 1 = {self.seq_len + 1}"
+            )
+        return np.asarray(ids, np.int32), np.asarray(roles, np.int8)
+
+    # ----- packing -------------------------------------------------------------------------
+
+    def _pack(self, records: list[Record]) -> dict[str, np.ndarray]:
+        encoded = self.loading.encode(records, self.encode)
+        return pack_conversations(encoded, self.seq_len + 1, self.pad_id)
+
+    def columns(self, partition: Partition) -> dict[str, np.ndarray]:
+        if partition not in self._encoded:
+            self._encoded[partition] = self._pack(self.records[partition.index :: partition.count])
+        return self._encoded[partition]
+
+    def load(self, batch: int) -> Dataset:
+        """Packed ``text``, ``text_roles``, ``text_segment_ids``, ``text_positions`` batches, each [B, L + 1]."""
+        from dew.sharding import local_partition
+
+        here = local_partition()
+        row_count = len(self.columns(here)["text"])
+        val_rows = None if self.val_records is None else self._pack(self.val_records)
+
+        def train(partition: Partition) -> RecordStream:
+            columns = self.columns(partition)
+            rows = local_rows(batch, partition, self.owner)
+            # Packing is per process, so each process's epoch has as many batches as its own rows fill.
+            per_epoch = len(columns["text"]) // rows
+            if per_epoch == 0:
+                raise ValueError(
+                    f"ChatMessages.load: process {partition.index} packs {len(columns['text'])} rows, "
+                    f"fewer than its {rows} rows of a batch"
+                )
+            return RecordStream(columns, rows, per_epoch, self.loading)
+
+        def val(partition: Partition):
+            rows = local_rows(batch, partition, self.owner)
+            count = len(val_rows["text"]) // batch
+            if count == 0:
+                raise ValueError(f"ChatMessages: val_path packs into {len(val_rows['text'])} rows, fewer than a batch of {batch}")
+            for index in range(count):
+                start = index * batch + partition.index * rows
+                yield {name: column[start : start + rows] for name, column in val_rows.items()}
+
+        train(here)  # a batch the packed rows cannot fill raises now, not in the trainer
+        return Dataset(train=train, val=None if val_rows is None else val, records=row_count, batch=batch)
+
+
+def pack_conversations(encoded: Sequence[tuple[np.ndarray, np.ndarray]], width: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Pack (ids, roles) conversations in order into rows of ``width`` (next fit), with segments and positions."""
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
+    used = 0
+    for ids, roles in encoded:
+        if used + len(ids) > width:
+            rows.append([])
+            used = 0
+        rows[-1].append((ids, roles))
+        used += len(ids)
+    out = {
+        "text": np.full((len(rows), width), pad_id, np.int32),
+        "text_roles": np.zeros((len(rows), width), np.int8),
+        "text_segment_ids": np.zeros((len(rows), width), np.int32),
+        "text_positions": np.zeros((len(rows), width), np.int32),
+    }
+    for r, row in enumerate(rows):
+        start = 0
+        for segment, (ids, roles) in enumerate(row, start=1):
+            end = start + len(ids)
+            out["text"][r, start:end] = ids
+            out["text_roles"][r, start:end] = roles
+            out["text_segment_ids"][r, start:end] = segment
+            out["text_positions"][r, start:end] = np.arange(len(ids))
+            start = end
+    return out
+
+
+def read_conversations(path, split: str, options: HFOptions) -> list[Record]:
+    """Rows of a conversation source as Records (see ChatMessages for what ``path`` may be)."""
+    from dew.data.loading import read_file
+
+    if isinstance(path, (str, Path)) and Path(path).suffix in (".parquet", ".jsonl", ".json") and Path(path).exists():
+        return read_file(Path(path), "ChatMessages")
+    import datasets
+
+    source = str(path) if isinstance(path, (str, Path)) else type(path).__name__
+    if isinstance(path, (str, Path)) and (Path(path) / "dataset_info.json").exists() or (
+        isinstance(path, (str, Path)) and (Path(path) / "dataset_dict.json").exists()
+    ):
+        path = datasets.load_from_disk(str(path))
+    elif isinstance(path, (str, Path)):
+        if Path(path).suffix in (".parquet", ".jsonl", ".json"):
+            raise FileNotFoundError(f"ChatMessages: {path} does not exist")
+        try:
+            path = datasets.load_dataset(str(path), split=split, **options.kwargs())
+        except Exception as error:  # datasets raises many types for a missing or unreachable dataset
+            raise ValueError(f"ChatMessages: cannot load dataset {source!r} split {split!r} ({error})") from None
+    if isinstance(path, datasets.DatasetDict):
+        if split not in path:
+            raise ValueError(f"ChatMessages: {source} has splits {sorted(path)}, not {split!r}")
+        path = path[split]
+    if not isinstance(path, datasets.Dataset):
+        raise TypeError(f"ChatMessages: path must be a file, a datasets directory or id, or a datasets.Dataset; got {source}")
+    return [Record(source, row, item) for row, item in enumerate(path)]
+
+
+__all__ = ["ChatMessages", "HFOptions", "Role", "RecordError", "pack_conversations"]

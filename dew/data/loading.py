@@ -226,13 +226,13 @@ class PartitionedLoader:
 
     owner = "loader"
 
-    def __init__(self, records, path, loading: Loading | None):
+    def __init__(self, records: list[Record], loading: Loading | None):
         if loading is not None and not isinstance(loading, Loading):
             raise TypeError(f"{self.owner}: loading must be a Loading, got {type(loading).__name__}")
+        if not records:
+            raise ValueError(f"{self.owner}: no records to load")
         self.loading = loading or Loading()
-        self.records = read_records(records, path, self.owner)
-        if not self.records:
-            raise ValueError(f"{self.owner}: {path or 'records'} holds no records")
+        self.records = records
         self._encoded: dict[Partition, dict[str, np.ndarray]] = {}
 
     def encode(self, record: Record) -> dict[str, np.ndarray]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dew.data.loading import Loading, PartitionedLoader, Record
+from dew.data.loading import Loading, PartitionedLoader, Record, read_records
 
 SIDES = ("chosen", "rejected")
 
@@ -55,7 +55,7 @@ class PreferencePairs(PartitionedLoader):
         if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
             raise ValueError(f"PreferencePairs: pad_id must be a non-negative integer, got {pad_id!r}")
         self.seq_len, self.pad_id = seq_len, pad_id
-        super().__init__(records, path, loading)
+        super().__init__(read_records(records, path, self.owner), loading)
 
     def encode(self, record: Record) -> dict[str, np.ndarray]:
         ids = np.full((2, self.seq_len), self.pad_id, np.int32)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dew.data.loading import Loading, PartitionedLoader, Record
+from dew.data.loading import Loading, PartitionedLoader, Record, read_records
 from dew.data.preference import token_ids
 
 METADATA = ("data_source", "ground_truth", "extra_info")
@@ -92,7 +92,7 @@ class Prompts(PartitionedLoader):
     ):
         if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, int) or max_prompt_len < 1:
             raise ValueError(f"Prompts: max_prompt_len must be a positive integer, got {max_prompt_len!r}")
-        super().__init__(records, path, loading)
+        super().__init__(read_records(records, path, self.owner), loading)
         self.max_prompt_len = max_prompt_len
         self._tokenizer = None if isinstance(tokenizer, (str, Path)) else tokenizer
         needs_tokenizer = next((r for r in self.records if not _is_id_list(r.fields.get("prompt"))), None)
