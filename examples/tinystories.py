@@ -18,6 +18,7 @@ import numpy as np  # noqa: F401
 import optax
 
 from dew import Dataset, Trainer, models  # noqa: F401
+from dew.data import Loading  # noqa: F401
 from dew.data.chat import Role  # noqa: F401
 from dew.data.stories import story_dataset, story_decoder, story_tokenizer
 from dew.objectives import LMObjective
@@ -36,6 +37,6 @@ lm_state = Trainer(
 ).fit(lm_data, steps=PRETRAIN_STEPS, log_every=PRETRAIN_STEPS)
 
 __all__ = [
-    "Dataset", "LMObjective", "Role", "Trainer", "itertools", "jax", "lm_state", "model", "models", "np",
+    "Dataset", "LMObjective", "Loading", "Role", "Trainer", "itertools", "jax", "lm_state", "model", "models", "np",
     "optax", "tokenizer",
 ]

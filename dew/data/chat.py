@@ -152,32 +152,41 @@ class ChatMessages(PartitionedLoader):
                 raise record.error("tools", "is a string that is not JSON tool schemas") from None
         return out, tools or None
 
-    def _ids(self, messages, tools, generation: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def _text(self, messages, tools, generation: bool, record: Record, index: int) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=generation
+            )
+        except Exception as error:  # a template's own checks raise many types
+            raise record.error(self.column, f"the chat template refused message {index} ({error})") from None
 
     def render(self, messages: Sequence[Mapping], tools: Sequence | None = None, record: Record | None = None):
-        """Token ids and roles ``(list[int], list[Role])`` of one conversation."""
+        """Token ids and roles ``(list[int], list[Role])`` of one conversation.
+
+        Renders every prefix that ends a turn (and, before each assistant message, the
+        prefix with the generation header), tokenizes them together, and gives the ids
+        each render adds to the role of the message (or ``Role.HEADER``).
+        """
         record = record or Record("messages", 0, {})
-        ids: list[int] = []
-        roles: list[int] = []
+        texts: list[str] = []
+        labels: list[tuple[Role, int, str]] = []
         for index, message in enumerate(messages):
             role = MESSAGE_ROLES[message["role"]]
             if role == Role.ASSISTANT:
-                header = self._extend(ids, self._ids(messages[:index], tools, True), record, index, "generation header")
-                ids += header
-                roles += [Role.HEADER] * len(header)
+                texts.append(self._text(messages[:index], tools, True, record, index))
+                labels.append((Role.HEADER, index, "the generation header"))
             elif index + 1 < len(messages) and messages[index + 1]["role"] == message["role"]:
                 # A run of same-role messages (consecutive tool results) is one turn: templates close
                 # the turn only after its last message, so the prefix is taken at the end of the run.
                 continue
-            try:
-                rendered = self._ids(messages[: index + 1], tools, False)
-            except Exception as error:  # a template's own checks raise many types
-                raise record.error(self.column, f"the chat template refused message {index} ({error})") from None
-            added = self._extend(ids, rendered, record, index, f"message {index}")
+            texts.append(self._text(messages[: index + 1], tools, False, record, index))
+            labels.append((role, index, f"message {index}"))
+        # One call tokenizes every prefix (the fast tokenizer's batch path).
+        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids: list[int] = []
+        roles: list[int] = []
+        for rendered, (role, index, what) in zip(encoded, labels):
+            added = self._extend(ids, list(rendered), record, index, what)
             ids += added
             roles += [role] * len(added)
         return ids, roles
