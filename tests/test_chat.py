@@ -139,3 +139,28 @@ def test_templates_without_chat_support_or_with_rewrites_are_refused(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation}])
     with pytest.raises(RecordError, match="the chat template changes earlier tokens when it renders"):
         ChatMessages(tokenizer=tokenizer, path=path, seq_len=31).load(batch=1)
+
+
+def test_sft_on_chat_rows_counts_only_assistant_targets(tmp_path):
+    import jax
+    import optax
+
+    from dew import Trainer, models
+    from dew.objectives import LMObjective
+
+    tokenizer = story_tokenizer()
+    rows = [{"messages": [{"role": "user", "content": f"Tell me about {name}."},
+                          {"role": "assistant", "content": f"{name} had a red ball."}]} for name in ("Tom", "Lily") * 8]
+    chat = ChatMessages(tokenizer=tokenizer, path=write_jsonl(tmp_path / "sft.jsonl", rows), seq_len=63)
+    dataset = chat.load(batch=4)
+    batch = next(dataset.train(Partition()))
+    roles, segments = batch["text_roles"], batch["text_segment_ids"]
+    expected = int(((roles[:, 1:] == Role.ASSISTANT) & (segments[:, 1:] == segments[:, :-1])).sum())
+    model = models.build("causal_transformer", vocab_size=len(tokenizer), emb_features=16, num_layers=1,
+                         num_heads=2, mlp_features=32, max_seq_len=63)
+    trainer = Trainer(LMObjective(model, seq_len=63, loss_role=Role.ASSISTANT, ema_decay=None), optax.adam(1e-2),
+                      key=jax.random.key(0), progress=False)
+    state, metrics = trainer.step(trainer.initial_state(), batch)
+    assert metrics["target_tokens"] == expected > 0
+    state = trainer.fit(dataset, steps=5, log_every=5)
+    assert int(state.updates) == 5
