@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from dew import Dataset, Trainer
-from dew.data.stories import RowStream
+from dew.data.loading import Loading, RecordStream
 from dew.objectives import LMObjective
 
 VOCAB, WIDTH = 16, 9
@@ -142,7 +142,7 @@ def test_resume_from_checkpoint_is_bit_exact(tiny_model, tmp_path, accumulate, s
 
 def test_resume_restores_a_stream_position(tiny_model, tmp_path):
     rows = random_rows(32, seed=4)
-    data = Dataset(train=lambda partition: RowStream(rows, 4, partition, seed=1), batch=4)
+    data = Dataset(train=lambda partition: RecordStream(rows, 4, 8, Loading(seed=1)), batch=4)
 
     def fit(output_dir, steps):
         trainer = Trainer(objective(tiny_model), optax.adam(1e-2), key=jax.random.key(0), output_dir=output_dir,
@@ -152,7 +152,7 @@ def test_resume_restores_a_stream_position(tiny_model, tmp_path):
     reference = fit(None, 11)  # crosses an epoch boundary (8 batches per epoch)
     fit(tmp_path, 6)
     position = json.loads((tmp_path / "6" / "data" / "metadata").read_text())
-    assert position["stream"] == {"epoch": 0, "index": 24}
+    assert position["stream"] == {"epoch": 0, "batch": 6}
     assert leaves_equal(fit(tmp_path, 11).params, reference.params)
 
 

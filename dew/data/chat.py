@@ -28,6 +28,7 @@ import numpy as np
 
 from dew.data.dataset import Dataset, Partition
 from dew.data.loading import Loading, PartitionedLoader, Record, RecordError, RecordStream, local_rows
+from dew.data.packing import pack_documents
 
 
 class Role(enum.IntEnum):
@@ -214,7 +215,7 @@ class ChatMessages(PartitionedLoader):
 
     def _pack(self, records: list[Record]) -> dict[str, np.ndarray]:
         encoded = self.loading.encode(records, self.encode)
-        return pack_conversations(encoded, self.seq_len + 1, self.pad_id)
+        return pack_documents([ids for ids, _ in encoded], self.seq_len + 1, self.pad_id, [r for _, r in encoded])
 
     def columns(self, partition: Partition) -> dict[str, np.ndarray]:
         if partition not in self._encoded:
@@ -254,34 +255,6 @@ class ChatMessages(PartitionedLoader):
         return Dataset(train=train, val=None if val_rows is None else val, records=row_count, batch=batch)
 
 
-def pack_conversations(encoded: Sequence[tuple[np.ndarray, np.ndarray]], width: int, pad_id: int) -> dict[str, np.ndarray]:
-    """Pack (ids, roles) conversations in order into rows of ``width`` (next fit), with segments and positions."""
-    rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
-    used = 0
-    for ids, roles in encoded:
-        if used + len(ids) > width:
-            rows.append([])
-            used = 0
-        rows[-1].append((ids, roles))
-        used += len(ids)
-    out = {
-        "text": np.full((len(rows), width), pad_id, np.int32),
-        "text_roles": np.zeros((len(rows), width), np.int8),
-        "text_segment_ids": np.zeros((len(rows), width), np.int32),
-        "text_positions": np.zeros((len(rows), width), np.int32),
-    }
-    for r, row in enumerate(rows):
-        start = 0
-        for segment, (ids, roles) in enumerate(row, start=1):
-            end = start + len(ids)
-            out["text"][r, start:end] = ids
-            out["text_roles"][r, start:end] = roles
-            out["text_segment_ids"][r, start:end] = segment
-            out["text_positions"][r, start:end] = np.arange(len(ids))
-            start = end
-    return out
-
-
 def read_conversations(path, split: str, options: HFOptions) -> list[Record]:
     """Rows of a conversation source as Records (see ChatMessages for what ``path`` may be)."""
     from dew.data.loading import read_file
@@ -311,4 +284,4 @@ def read_conversations(path, split: str, options: HFOptions) -> list[Record]:
     return [Record(source, row, item) for row, item in enumerate(path)]
 
 
-__all__ = ["ChatMessages", "HFOptions", "Role", "RecordError", "pack_conversations"]
+__all__ = ["ChatMessages", "HFOptions", "Role", "RecordError"]

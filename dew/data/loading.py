@@ -109,39 +109,29 @@ def read_records(records: Iterable[str | Mapping] | None, path: str | Path | Non
     if records is not None:
         if isinstance(records, (str, bytes, Mapping)):
             raise TypeError(f"{owner}: records must be a sequence of JSON strings or mappings, got a single {type(records).__name__}")
-        out = []
-        for row, item in enumerate(records):
-            record = Record("records", row, {})
-            if isinstance(item, (str, bytes)):
-                try:
-                    item = json.loads(item)
-                except json.JSONDecodeError as error:
-                    raise record.error(None, f"not valid JSON ({error})") from None
-            if not isinstance(item, Mapping):
-                raise record.error(None, f"expected a JSON object, got {type(item).__name__}")
-            out.append(Record("records", row, item))
-        return out
+        return [_parse("records", row, item) for row, item in enumerate(records)]
     return read_file(Path(path), owner)
+
+
+def _parse(source: str, row: int, item) -> Record:
+    """A Record from a mapping or its JSON text, or a RecordError naming source and row."""
+    record = Record(source, row, {})
+    if isinstance(item, (str, bytes)):
+        try:
+            item = json.loads(item)
+        except json.JSONDecodeError as error:
+            raise record.error(None, f"not valid JSON ({error})") from None
+    if not isinstance(item, Mapping):
+        raise record.error(None, f"expected a JSON object, got {type(item).__name__}")
+    return Record(source, row, item)
 
 
 def read_file(path: Path, owner: str) -> list[Record]:
     if not path.exists():
         raise FileNotFoundError(f"{owner}: {path} does not exist")
     if path.suffix in (".jsonl", ".json"):
-        out = []
         with path.open() as lines:
-            for row, line in enumerate(lines):
-                if not line.strip():
-                    continue
-                record = Record(str(path), row, {})
-                try:
-                    item = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise record.error(None, f"not valid JSON ({error})") from None
-                if not isinstance(item, Mapping):
-                    raise record.error(None, f"expected a JSON object, got {type(item).__name__}")
-                out.append(Record(str(path), row, item))
-        return out
+            return [_parse(str(path), row, line) for row, line in enumerate(lines) if line.strip()]
     import pyarrow.parquet as pq
 
     try:

@@ -16,6 +16,7 @@ import random
 import numpy as np
 
 from dew.data.dataset import Dataset, Partition
+from dew.data.loading import Loading, RecordStream, batches_per_epoch, local_rows
 from dew.data.packing import pack_documents
 
 # transformers announces at import that torch is absent; dew uses it for tokenizers only.
@@ -104,46 +105,6 @@ def story_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
     return wrapped
 
 
-class RowStream:
-    """Batches of packed rows in a seeded order that changes every epoch.
-
-    A process reads the rows ``partition.index::partition.count`` of each global
-    batch. Implements the trainer's :class:`~dew.data.dataset.StreamPosition`.
-    """
-
-    def __init__(self, rows: dict[str, np.ndarray], batch: int, partition: Partition, seed: int = 0):
-        count = len(rows["text"])
-        if batch > count:
-            raise ValueError(f"a batch of {batch} rows is larger than the {count} rows available")
-        if batch % partition.count:
-            raise ValueError(f"a batch of {batch} rows does not split across {partition.count} processes")
-        self.rows, self.batch, self.partition, self.seed = rows, batch, partition, seed
-        self.epoch, self.index = 0, 0
-        self._order = self._shuffle()
-
-    def _shuffle(self) -> np.ndarray:
-        return np.random.default_rng((self.seed, self.epoch)).permutation(len(self.rows["text"]))
-
-    def position(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def restore(self, position: dict) -> None:
-        self.epoch, self.index = int(position["epoch"]), int(position["index"])
-        self._order = self._shuffle()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        if self.index + self.batch > len(self._order):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._order = self._shuffle()
-        chosen = self._order[self.index : self.index + self.batch]
-        self.index += self.batch
-        mine = chosen[self.partition.index :: self.partition.count]
-        return {name: column[mine] for name, column in self.rows.items()}
-
-
 def story_dataset(tokenizer, seq_len: int, batch: int, count: int = 2000, val_count: int = 64, seed: int = 0) -> Dataset:
     """Stories packed into ``[batch, seq_len + 1]`` rows (EOS after each), with a held-out split.
 
@@ -164,8 +125,16 @@ def story_dataset(tokenizer, seq_len: int, batch: int, count: int = 2000, val_co
             rows = slice(b * batch + partition.index, (b + 1) * batch, partition.count)
             yield {name: column[rows] for name, column in val_rows.items()}
 
+    loading = Loading(seed=seed)
+
+    def train(partition: Partition) -> RecordStream:
+        rows = local_rows(batch, partition, "story_dataset")
+        mine = {name: column[partition.index :: partition.count] for name, column in train_rows.items()}
+        per_epoch = batches_per_epoch(len(train_rows["text"]), batch, partition, "story_dataset")
+        return RecordStream(mine, rows, per_epoch, loading)
+
     return Dataset(
-        train=lambda partition: RowStream(train_rows, batch, partition, seed),
+        train=train,
         val=val,
         records=len(train_rows["text"]),
         batch=batch,
