@@ -36,7 +36,12 @@ lm_state = Trainer(
     progress=False,
 ).fit(lm_data, steps=PRETRAIN_STEPS, log_every=PRETRAIN_STEPS)
 
+# The DPO block reuses the prompt and response the SFT block defines; defining them here
+# (the same strings) lets the blocks run in any order, as the spec promises.
+prompt = tokenizer.encode("Tom had a red ball.")
+response = tokenizer.encode(" He kicked it to his dog.")
+
 __all__ = [
     "Dataset", "LMObjective", "Loading", "Role", "Trainer", "itertools", "jax", "lm_state", "model", "models", "np",
-    "optax", "tokenizer",
+    "optax", "prompt", "response", "tokenizer",
 ]

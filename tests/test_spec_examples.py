@@ -21,8 +21,12 @@ def spec_block(first_line: str, last_line_prefix: str) -> str:
 
 
 @pytest.mark.skipif(not SPEC.exists(), reason="the spec is not beside this checkout (../shared/spec)")
-def test_sft_block_is_the_spec_verbatim():
+def test_blocks_are_the_spec_verbatim():
     assert (BLOCKS / "sft.py").read_text() == spec_block("import itertools", ").fit(sft_data")
+    lines = SPEC.read_text().split("\n")
+    start = lines.index("from dew.data import PreferencePairs") - 2
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("    pairs, steps=10, log_every=5)"))
+    assert (BLOCKS / "dpo.py").read_text() == "\n".join(lines[start : end + 1]) + "\n"
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,27 @@ def test_prelude_keeps_the_spec_rows_within_their_widths(prelude):
     assert len(prompt + rejected) <= 16  # PreferencePairs(seq_len=16) in the DPO block
     grpo_prompt = tokenizer.encode("Once upon a time, there was a little")
     assert len(grpo_prompt) + 8 <= prelude.model.max_seq_len  # P + R tokens of context in the GRPO block
+
+
+def run_block(prelude, name: str, namespace: dict | None = None) -> dict:
+    """Run examples/spec/<name>.py in the prelude's namespace (plus what earlier blocks defined)."""
+    namespace = {**{n: getattr(prelude, n) for n in prelude.__all__}, **(namespace or {})}
+    exec(compile((BLOCKS / f"{name}.py").read_text(), f"spec/{name}.py", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", [("sft", "dpo"), ("dpo", "sft")])
+def test_blocks_run_in_any_order_from_lm_state(prelude, order):
+    before = jax.device_get(prelude.lm_state.params)
+    namespace = {}
+    for name in order:
+        namespace = run_block(prelude, name, namespace)
+    assert int(namespace["sft_state"].step) == 20 and int(namespace["dpo_state"].step) == 10
+    for a, b in zip(jax.tree.leaves(prelude.lm_state.params), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)  # each stage starts from lm_state.params and leaves it intact
+    for a, b in zip(jax.tree.leaves(namespace["dpo_state"].ema), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)  # DPO's reference is the starting policy
 
 
 @pytest.mark.slow

@@ -1,0 +1,5 @@
+"""Preference and reinforcement-learning objectives."""
+
+from dew.objectives.rl.dpo import DPOObjective
+
+__all__ = ["DPOObjective"]
