@@ -1,0 +1,136 @@
+"""Token sampling: ``Sampling`` controls and the sampler that records both likelihoods.
+
+Every draw returns the sampled id with two log-probabilities:
+
+- ``old_log_probs``: the raw model policy, ``log_softmax(logits)[id]``, before any
+  temperature or filter (what GRPO's ratio compares against);
+- ``behavior_log_probs``: the distribution the id was actually drawn from, after
+  temperature and the filters (0 for greedy, whose choice is certain).
+
+Filters apply in this order, each to the renormalised result of the one before:
+temperature, then top-k (``jax.lax.top_k``, a partial selection: the vocabulary is
+never fully sorted), then top-p (over the top-k candidates when top-k is set, else over
+the sorted vocabulary), then min-p (drop tokens whose probability is below ``min_p``
+times the most likely token's). With top-k set a draw can also return its support: the
+ids kept after every filter, ``[rows, top_k]`` with -1 for ids a later filter removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How to draw tokens. ``temperature=0`` is greedy; ``eos_id`` ends a response (one id or a tuple)."""
+
+    eos_id: int | tuple[int, ...] | None = None
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be None or a positive integer, got {self.top_k!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}")
+        if self.min_p is not None and not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be None or in [0, 1), got {self.min_p!r}")
+        for eos in self.eos_ids:
+            if isinstance(eos, bool) or not isinstance(eos, int) or eos < 0:
+                raise ValueError(f"eos_id must be None, a non-negative int or a tuple of them, got {self.eos_id!r}")
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_id is None:
+            return ()
+        return tuple(self.eos_id) if isinstance(self.eos_id, (tuple, list)) else (self.eos_id,)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def transforms(self) -> bool:
+        """Whether the behaviour distribution differs from the raw policy."""
+        return self.temperature not in (0, 1) or any(v is not None for v in (self.top_k, self.top_p, self.min_p))
+
+
+@struct.dataclass
+class Sample:
+    """One sampled id per row: ids [rows] int32, old/behavior log-probs [rows] float32, support or None."""
+
+    ids: jax.Array
+    old_log_probs: jax.Array
+    behavior_log_probs: jax.Array
+    support: jax.Array | None = None
+
+
+def filtered_logits(logits: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array | None]:
+    """Temperature-scaled logits with filtered-out ids at -inf, and the top-k support ids if top-k is set.
+
+    logits: [rows, vocab] float32 -> ([rows, vocab], [rows, top_k] int32 or None)
+    """
+    scaled = logits.astype(jnp.float32) / sampling.temperature
+    support = None
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        values, indices = jax.lax.top_k(scaled, sampling.top_k)  # sorted, descending
+        keep = _filter_sorted(values, sampling)
+        support = jnp.where(keep, indices, -1).astype(jnp.int32)
+        rows = jnp.arange(logits.shape[0])[:, None]
+        kept_values = jnp.where(keep, values, NEG_INF)
+        out = jnp.full_like(scaled, NEG_INF).at[rows, indices].set(kept_values)
+        return out, support
+    if sampling.top_p is not None:
+        order = jnp.argsort(-scaled, axis=-1)
+        values = jnp.take_along_axis(scaled, order, axis=-1)
+        keep = _filter_sorted(values, sampling)
+        rows = jnp.arange(logits.shape[0])[:, None]
+        mask = jnp.zeros(scaled.shape, bool).at[rows, order].set(keep)
+        return jnp.where(mask, scaled, NEG_INF), None
+    if sampling.min_p is not None:
+        return jnp.where(_min_p_keep(scaled, sampling.min_p), scaled, NEG_INF), None
+    return scaled, None
+
+
+def _filter_sorted(values: jax.Array, sampling: Sampling) -> jax.Array:
+    """Which of the descending-sorted candidate logits survive top-p and min-p: [rows, n] bool."""
+    keep = jnp.ones(values.shape, bool)
+    if sampling.top_p is not None:
+        probs = jax.nn.softmax(values, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
+        keep &= before < sampling.top_p  # keep the smallest prefix whose mass reaches top_p
+    if sampling.min_p is not None:
+        masked = jnp.where(keep, values, NEG_INF)
+        keep &= _min_p_keep(masked, sampling.min_p)
+    return keep
+
+
+def _min_p_keep(scaled: jax.Array, min_p: float) -> jax.Array:
+    probs = jax.nn.softmax(scaled, axis=-1)
+    return probs >= min_p * probs.max(axis=-1, keepdims=True)
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> Sample:
+    """Draw one id per row of ``logits`` [rows, vocab] and record both likelihoods."""
+    logits = logits.astype(jnp.float32)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    if sampling.greedy:
+        ids = jnp.argmax(logits, axis=-1)
+        behavior = jnp.zeros(ids.shape, jnp.float32)
+        support = ids[:, None].astype(jnp.int32) if sampling.top_k is not None else None
+    else:
+        filtered, support = filtered_logits(logits, sampling)
+        ids = jax.random.categorical(key, filtered, axis=-1)
+        behavior = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), ids[:, None], axis=-1)[:, 0]
+    old = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0]
+    return Sample(ids.astype(jnp.int32), old, behavior, support)
