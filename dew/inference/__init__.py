@@ -1,5 +1,10 @@
-"""Native inference: batched generation with a KV cache."""
+"""Native inference: batched generation, continuous batching and the rollout-server interface."""
 
 from dew.inference.generation import Generation, TextGeneration
+from dew.inference.rollout import Draw, DrawFuture, NativeRolloutServer, RolloutServer
+from dew.inference.server import Finished, Server, ServingTask
 
-__all__ = ["Generation", "TextGeneration"]
+__all__ = [
+    "Draw", "DrawFuture", "Finished", "Generation", "NativeRolloutServer", "RolloutServer", "Server", "ServingTask",
+    "TextGeneration",
+]

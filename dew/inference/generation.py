@@ -70,12 +70,13 @@ def row_keys(key: jax.Array, rows: int) -> jax.Array:
     return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(rows))
 
 
-def sample_rows(logits: jax.Array, keys: jax.Array, step: jax.Array, sampling: Sampling):
-    """One draw per row, row r with ``fold_in(keys[r], step)``."""
-    def one(row_logits, key):
+def sample_rows(logits: jax.Array, keys: jax.Array, steps: jax.Array, sampling: Sampling):
+    """One draw per row, row r with ``fold_in(keys[r], steps[r])`` (``steps`` a scalar or [rows])."""
+    def one(row_logits, key, step):
         return sample(row_logits[None], jax.random.fold_in(key, step), sampling)
 
-    drawn = jax.vmap(one)(logits, keys)
+    steps = jnp.broadcast_to(steps, logits.shape[:1])
+    drawn = jax.vmap(one)(logits, keys, steps)
     return jax.tree.map(lambda x: x[:, 0], drawn)
 
 

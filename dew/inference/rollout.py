@@ -1,0 +1,164 @@
+"""The RolloutServer interface and the native server behind it.
+
+``RolloutServer`` is what rollout sources talk to, whatever engine draws the tokens:
+
+- ``submit(prompt_ids, max_new_tokens, seed=...)`` returns a ``concurrent.futures.Future``
+  of a :class:`Draw`: the sampled ids, their behaviour log-probabilities, the raw-policy
+  log-probabilities when the backend has them, whether EOS ended the draw, why it
+  ended, and the policy version it was submitted under;
+- ``cancel(future)`` stops a draw, also mid-draw: its slot is freed at the next step
+  and the future resolves with ``finish_reason="cancelled"``;
+- ``load(variables, version)`` pushes new weights; generation continues across a
+  push, and a draw's version is the one it was submitted under, the oldest weights
+  that may have produced any of its tokens;
+- ``version`` is the version being served.
+
+``NativeRolloutServer(Server.from_task(task, slots=..., capacity=...))`` drives dew's
+continuous-batching :class:`~dew.inference.server.Server` on a background thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import queue
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+from dew.inference.server import Server
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """One finished draw."""
+
+    ids: list[int]
+    behavior_log_probs: list[float]
+    old_log_probs: list[float] | None
+    eos: bool
+    version: int
+    finish_reason: str
+
+
+class DrawFuture(Future):
+    """The future of a :class:`Draw`; ``request`` is the server's number for it."""
+
+    request: int = -1
+
+
+class RolloutServer(abc.ABC):
+    """Where rollouts get their tokens (see the module docstring)."""
+
+    @abc.abstractmethod
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture: ...
+
+    @abc.abstractmethod
+    def cancel(self, draw: DrawFuture) -> None: ...
+
+    @abc.abstractmethod
+    def load(self, variables, version: int) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int: ...
+
+    def close(self) -> None:
+        """Release the server's resources; the default holds none."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class NativeRolloutServer(RolloutServer):
+    """A :class:`Server` stepped on a background thread.
+
+    Submissions are checked in the caller's thread (a bad request raises there and
+    disturbs no slot); the thread admits, steps, applies loads between steps and
+    resolves futures. ``load`` returns once the new weights are in place.
+    """
+
+    def __init__(self, server: Server, version: int = 0):
+        self.server = server
+        self._version = version
+        self._lock = threading.Lock()
+        self._commands: queue.Queue = queue.Queue()
+        self._futures: dict[int, tuple[Future, int]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dew-native-rollout", daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
+        self._check_running()
+        future = DrawFuture()
+        with self._lock:
+            future.request = self.server.submit(prompt_ids, max_new_tokens, seed)
+            self._futures[future.request] = (future, self._version)
+        self._wake.set()
+        return future
+
+    def cancel(self, draw: DrawFuture) -> None:
+        with self._lock:
+            self.server.cancel(draw.request)
+        self._wake.set()
+
+    def load(self, variables, version: int) -> None:
+        self._check_running()
+        done = threading.Event()
+        self._commands.put((variables, version, done))
+        self._wake.set()
+        while not done.wait(0.05):
+            self._check_running()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        with self._lock:
+            for future, _ in self._futures.values():
+                if not future.done():
+                    future.set_exception(RuntimeError("the rollout server was closed before this draw finished"))
+            self._futures.clear()
+
+    def _check_running(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the rollout server's thread failed") from self._error
+        if self._stop.is_set():
+            raise RuntimeError("the rollout server is closed")
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                while not self._commands.empty():
+                    variables, version, done = self._commands.get()
+                    self.server.reload(variables)
+                    self._version = version
+                    done.set()
+                with self._lock:
+                    busy = self.server.busy
+                    finished = self.server.step() if busy else []
+                    resolved = [(self._futures.pop(f.request), f) for f in finished]
+                for (future, version), result in resolved:
+                    future.set_result(Draw(
+                        ids=result.ids, behavior_log_probs=result.behavior_log_probs,
+                        old_log_probs=result.old_log_probs, eos=result.eos, version=version,
+                        finish_reason=result.finish_reason,
+                    ))
+                if not busy:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as error:  # surface the failure to every waiting caller
+            self._error = error
+            with self._lock:
+                for future, _ in self._futures.values():
+                    if not future.done():
+                        future.set_exception(error)

@@ -1,0 +1,100 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import models
+from dew.inference import NativeRolloutServer, Server, ServingTask, TextGeneration
+from dew.sampling import Sampling
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16], [17, 18]]
+
+
+@pytest.fixture(scope="module")
+def task():
+    model = models.build("causal_transformer", vocab_size=32, emb_features=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, mlp_features=64, max_seq_len=64)
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    variables = jax.tree.map(lambda x: x * 3, variables)
+    return ServingTask(model, variables, Sampling(temperature=1.0, top_k=8))
+
+
+def run(server, requests):
+    """Submit (prompt, budget, seed) requests, step until all finish, return results by request number."""
+    numbers = [server.submit(*request) for request in requests]
+    results = {}
+    while server.busy:
+        for finished in server.step():
+            results[finished.request] = finished
+    return [results[n] for n in numbers]
+
+
+def test_greedy_server_equals_text_generation(task):
+    greedy = ServingTask(task.model, task.variables, Sampling(temperature=0))
+    served = run(Server.from_task(greedy, slots=2, capacity=32), [(p, 6, 0) for p in PROMPTS])
+    generated = TextGeneration(task.model, task.variables)(PROMPTS, 6, jax.random.key(0), Sampling(temperature=0))
+    for row, result in enumerate(served):
+        assert result.ids == generated.response(row) and result.finish_reason == "length"
+        np.testing.assert_allclose(result.old_log_probs, generated.old_log_probs[row], atol=1e-5)
+
+
+def test_continuous_batching_gives_each_request_its_tokens_alone(task):
+    requests = [(p, 4 + i, 10 + i) for i, p in enumerate(PROMPTS)]  # different budgets: slots free at different steps
+    together = run(Server.from_task(task, slots=2, capacity=32), requests)
+    for request, result in zip(requests, together):
+        alone = run(Server.from_task(task, slots=1, capacity=32), [request])[0]
+        assert result.ids == alone.ids
+        np.testing.assert_allclose(result.behavior_log_probs, alone.behavior_log_probs, atol=1e-5)
+        assert len(result.ids) == request[1]
+
+
+def test_eos_cancel_and_bad_requests_leave_other_slots_alone(task):
+    first = run(Server.from_task(task, slots=1, capacity=32), [(PROMPTS[0], 8, 1)])[0]
+    eos = first.ids[2]
+    server = Server(task.model, task.variables, Sampling(temperature=1.0, top_k=8, eos_id=eos), slots=2, capacity=32)
+    stopped, long = server.submit(PROMPTS[0], 8, 1), server.submit(PROMPTS[1], 20, 2)
+    for bad, message in (([], "the prompt is empty"), ([1, 99], "outside the vocabulary \\[0, 32\\)"),
+                         ([1] * 30, "exceeds the cache capacity 32")):
+        with pytest.raises(ValueError, match=message):
+            server.submit(bad, 4 if len(bad) != 30 else 8)
+    results = {}
+    for _ in range(5):
+        results.update({f.request: f for f in server.step()})
+    server.cancel(long)
+    results.update({f.request: f for f in server.step()})
+    assert results[stopped].ids == first.ids[: first.ids.index(eos) + 1] and results[stopped].eos
+    assert results[long].finish_reason == "cancelled" and len(results[long].ids) == 5
+    assert not server.busy
+
+
+def test_reload_changes_later_tokens_and_casts_to_the_served_dtype(task):
+    greedy = ServingTask(task.model, task.variables, Sampling(temperature=0), dtype=jnp.bfloat16)
+    server = Server.from_task(greedy, slots=1, capacity=32)
+    assert {leaf.dtype for leaf in jax.tree.leaves(server.variables)} == {jnp.dtype(jnp.bfloat16)}
+    plain = run(Server.from_task(greedy, slots=1, capacity=32), [(PROMPTS[1], 10, 0)])[0]
+    number = server.submit(PROMPTS[1], 10, 0)
+    ids = []
+    for _ in range(4):
+        server.step()
+    other = jax.tree.map(lambda x: -x, task.variables)
+    server.reload(other)
+    while server.busy:
+        ids += [f for f in server.step() if f.request == number]
+    changed = ids[0].ids
+    assert changed[:4] == plain.ids[:4] and changed[4:] != plain.ids[4:]
+
+
+def test_native_rollout_server_versions_draws_and_loads_in_flight(task):
+    with NativeRolloutServer(Server.from_task(task, slots=2, capacity=64), version=3) as rollout:
+        before = [rollout.submit(p, 12, seed=i) for i, p in enumerate(PROMPTS)]
+        rollout.load(jax.tree.map(lambda x: x * 1.01, task.variables), version=4)
+        after = rollout.submit(PROMPTS[0], 4, seed=0)
+        draws = [f.result(timeout=60) for f in before]
+        assert rollout.version == 4 and after.result(timeout=60).version == 4
+        assert [d.version for d in draws] == [3] * len(PROMPTS)
+        assert all(len(d.ids) == 12 and len(d.old_log_probs) == 12 for d in draws)
+        long = rollout.submit(PROMPTS[1], 50, seed=9)
+        rollout.cancel(long)
+        assert long.result(timeout=60).finish_reason == "cancelled"
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            rollout.submit([], 4)
