@@ -1,14 +1,18 @@
 """The ``dew-ray`` command.
 
 ``dew-ray sft-demo`` trains the tiny built-in decoder on dew's built-in story corpus
-and prints the validation loss before and after. It runs in this process; the Ray
-pipelines (async RLVR and the SFT -> DPO -> GRPO chain) are not part of dew-ray yet.
+and prints the validation loss before and after. ``dew-ray serve`` serves a decoder
+(a Hugging Face checkpoint, or the built-in story decoder after a short training)
+through the native continuous-batching server's OpenAI-compatible HTTP front. Both
+run in this process; the Ray pipelines (async RLVR and the SFT -> DPO -> GRPO chain)
+are not part of dew-ray yet.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 
 
@@ -50,6 +54,51 @@ def sft_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from dew.inference import NativeRolloutServer, OpenAIFront, Server
+    from dew.sampling import Sampling
+
+    if args.checkpoint:
+        from transformers import AutoTokenizer
+
+        from dew.models.pretrained import load_pretrained
+
+        model, variables = load_pretrained(args.checkpoint)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+        except (OSError, ValueError):
+            tokenizer = None  # a checkpoint without tokenizer files serves token ids only
+        name = args.checkpoint
+    else:
+        from dew import Trainer
+        from dew.data.stories import story_dataset, story_decoder, story_tokenizer
+        from dew.objectives import LMObjective
+
+        tokenizer = story_tokenizer()
+        model = story_decoder(len(tokenizer), max_seq_len=args.capacity)
+        width = min(64, args.capacity)
+        data = story_dataset(tokenizer, seq_len=width, batch=16)
+        trainer = Trainer(LMObjective(model, seq_len=width, ema_decay=None), optax.adamw(3e-3), key=jax.random.key(0))
+        variables = trainer.fit(data, steps=args.train_steps, log_every=args.train_steps).params
+        name = "dew-stories"
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, eos_id=eos)
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    server = Server(model, variables, sampling, slots=args.slots, capacity=args.capacity, dtype=dtype)
+    with NativeRolloutServer(server) as rollout, OpenAIFront(rollout, tokenizer, args.host, args.port, name) as front:
+        print(f"dew-ray serve: {name} at {front.url}/v1 ({args.slots} slots of {args.capacity}); Ctrl-C stops",
+              flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            print("stopped")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dew-ray", description="Post-training for language models, in JAX on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--output-dir", default=None, help="write checkpoints and metrics.jsonl here (default: nothing)")
     demo.set_defaults(run=sft_demo)
+    served = commands.add_parser("serve", help="serve a decoder over an OpenAI-compatible HTTP API")
+    served.add_argument("--checkpoint", help="a Hugging Face Llama/Qwen2/Qwen3 directory (default: the story decoder)")
+    served.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    served.add_argument("--port", type=int, default=8000)
+    served.add_argument("--slots", type=int, default=8)
+    served.add_argument("--capacity", type=int, default=256)
+    served.add_argument("--temperature", type=float, default=1.0)
+    served.add_argument("--top-k", type=int, default=None)
+    served.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    served.add_argument("--train-steps", type=int, default=200, help="training steps for the built-in story decoder")
+    served.set_defaults(run=serve)
     args = parser.parse_args(argv)
     return args.run(args)
 
