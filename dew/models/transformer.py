@@ -22,6 +22,7 @@ Parameter names follow Hugging Face's module names so checkpoints map one to one
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -35,28 +36,29 @@ MLP_ACTIVATIONS = ("swiglu", "gelu")
 class KVCache:
     """Keys and values of every layer for decoding.
 
-    keys, values: [layers, batch, capacity, kv_heads, head_dim]
+    keys, values: one [batch, kv_heads, capacity, head_dim] array per layer (separate
+    arrays, so a decode step updates each in place rather than copying a stacked block)
     lengths: [batch] int32, the number of valid positions of each row.
     """
 
-    keys: jax.Array
-    values: jax.Array
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
     lengths: jax.Array
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.keys[0].shape[2]
 
 
 def init_cache(model: "CausalTransformer", batch: int, capacity: int, dtype=None) -> KVCache:
     """An empty cache for ``batch`` rows of up to ``capacity`` positions."""
     if batch < 1 or capacity < 1:
         raise ValueError(f"a cache needs batch >= 1 and capacity >= 1, got batch={batch}, capacity={capacity}")
-    shape = (model.num_layers, batch, capacity, model.kv_heads, model.head_size)
+    shape = (batch, model.kv_heads, capacity, model.head_size)
     dtype = dtype or model.dtype
     return KVCache(
-        keys=jnp.zeros(shape, dtype),
-        values=jnp.zeros(shape, dtype),
+        keys=tuple(jnp.zeros(shape, dtype) for _ in range(model.num_layers)),
+        values=tuple(jnp.zeros(shape, dtype) for _ in range(model.num_layers)),
         lengths=jnp.zeros((batch,), jnp.int32),
     )
 
@@ -85,7 +87,7 @@ class Attention(nn.Module):
     param_dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, mask, layer_cache=None, write=None):
+    def __call__(self, x, positions, mask, write=None):
         batch, length, _ = x.shape
         dense = lambda features, name, bias: nn.Dense(  # noqa: E731
             features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
@@ -104,20 +106,29 @@ class Attention(nn.Module):
         q = rotary(q, positions, self.rope_theta)
         k = rotary(k, positions, self.rope_theta)
 
-        new_cache = None
-        if layer_cache is not None:
-            k, v = write(layer_cache, k, v)
-            new_cache = (k, v)
+        if write is not None:  # decoding: store the new keys and values, attend over the whole cache row
+            k, v = write(k, v)
+        else:  # the cache's layout [batch, kv_heads, positions, head_dim], which attends without transposes
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        if length == 1:
+            # One query per row (a decode step): XLA's CPU batched dot pays a fixed cost per (row, head)
+            # pair, so multiply-and-reduce, which fuses into one loop, is several times faster here.
+            scores = (q[:, 0, :, :, None, :].astype(jnp.float32) * k[:, :, None, :, :].astype(jnp.float32)).sum(-1)
+            scores = scores[:, :, :, None, :]
+        else:
+            scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", weights, v.astype(self.dtype))
+        if length == 1:
+            out = (weights[:, :, :, 0, :, None] * v[:, :, None, :, :].astype(self.dtype)).sum(-2)[:, None]
+        else:
+            out = jnp.einsum("bkgts,bksd->btkgd", weights, v.astype(self.dtype))
         out = out.reshape(batch, length, self.num_heads * self.head_dim)
-        return dense(x.shape[-1], "o_proj", False)(out), new_cache
+        return dense(x.shape[-1], "o_proj", False)(out)
 
 
 class MLP(nn.Module):
@@ -159,7 +170,7 @@ class Block(nn.Module):
     config: LayerOptions
 
     @nn.compact
-    def __call__(self, x, positions, mask, layer_cache=None, write=None):
+    def __call__(self, x, positions, mask, write=None):
         c = self.config
         norm = lambda name: nn.RMSNorm(  # noqa: E731
             epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name
@@ -168,10 +179,9 @@ class Block(nn.Module):
             c.num_heads, c.kv_heads, c.head_size, c.rope_theta, c.norm_eps, c.qk_norm,
             c.attention_bias, c.dtype, c.param_dtype, name="self_attn",
         )
-        attended, new_cache = attention(norm("input_layernorm")(x), positions, mask, layer_cache, write)
-        x = x + attended
+        x = x + attention(norm("input_layernorm")(x), positions, mask, write)
         mlp = MLP(c.mlp_features, c.mlp_activation, c.dtype, c.param_dtype, name="mlp")
-        return x + mlp(norm("post_attention_layernorm")(x)), new_cache
+        return x + mlp(norm("post_attention_layernorm")(x))
 
 
 class CausalTransformer(nn.Module):
@@ -215,19 +225,15 @@ class CausalTransformer(nn.Module):
             mask, positions = self._packed_mask(batch, length, segment_ids, positions)
             write = None
         else:
-            mask, positions, write, lengths = self._cache_mask(cache, batch, length, positions, lengths)
+            mask, positions, write, lengths, written = self._cache_mask(cache, batch, length, positions, lengths)
 
         options = LayerOptions(
             self.num_heads, self.kv_heads, self.head_size, self.rope_theta, self.norm_eps, self.qk_norm,
             self.attention_bias, self.mlp_features, self.mlp_activation, self.dtype, self.param_dtype,
         )
-        new_keys, new_values = [], []
         for layer in range(self.num_layers):
-            layer_cache = None if cache is None else (cache.keys[layer], cache.values[layer])
-            x, written = Block(options, name=f"layers_{layer}")(x, positions, mask, layer_cache, write)
-            if written is not None:
-                new_keys.append(written[0])
-                new_values.append(written[1])
+            layer_write = None if write is None else functools.partial(write, layer)
+            x = Block(options, name=f"layers_{layer}")(x, positions, mask, layer_write)
         x = nn.RMSNorm(epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
         if self.tie_embeddings:
             logits = embed.attend(x)
@@ -240,7 +246,7 @@ class CausalTransformer(nn.Module):
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         if cache is None:
             return logits
-        return logits, KVCache(jnp.stack(new_keys), jnp.stack(new_values), cache.lengths + lengths)
+        return logits, KVCache(tuple(written["keys"]), tuple(written["values"]), cache.lengths + lengths)
 
     def _packed_mask(self, batch, length, segment_ids, positions):
         if segment_ids is None:
@@ -264,19 +270,20 @@ class CausalTransformer(nn.Module):
         mask = slots <= (start[:, None] + jnp.arange(length)[None, :])[:, :, None]
         valid = jnp.arange(length)[None, :] < lengths[:, None]  # [B, T]
 
-        def write(layer_cache, k, v):
-            old_k, old_v = layer_cache
+        # One scatter per layer: row b, slots start[b] + t for its valid ids; invalid ids point
+        # past the end and are dropped, so a finished row's cache stays as it was.
+        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, length))
+        slots_written = jnp.where(valid, start[:, None] + jnp.arange(length)[None, :], capacity)
+        written = {"keys": list(cache.keys), "values": list(cache.values)}
 
-            def one_row(old, new, begin, keep):
-                window = jax.lax.dynamic_slice_in_dim(old, begin, length, axis=0)
-                merged = jnp.where(keep[:, None, None], new.astype(old.dtype), window)
-                return jax.lax.dynamic_update_slice_in_dim(old, merged, begin, axis=0)
+        def write(layer, k, v):
+            for name, new in (("keys", k), ("values", v)):
+                old = written[name][layer]
+                # rows and slots index axes 0 and 2; the indexed block is [batch, length, kv_heads, head_dim]
+                written[name][layer] = old.at[rows, :, slots_written].set(new.astype(old.dtype), mode="drop")
+            return written["keys"][layer], written["values"][layer]
 
-            k_all = jax.vmap(one_row)(old_k, k, start, valid)
-            v_all = jax.vmap(one_row)(old_v, v, start, valid)
-            return k_all, v_all
-
-        return mask, positions, write, lengths
+        return mask, positions, write, lengths, written
 
 
 def validate_config(model: CausalTransformer) -> None:

@@ -1,0 +1,142 @@
+"""Native Server generation throughput against transformers' generate on the same weights.
+
+Model: the 12.6M-parameter Qwen3-shaped decoder of shared/PERF.md, randomly initialised
+in dew, exported with Pretrained.save for the peer. Requests: prompts of 16 to 48 ids
+(mixed lengths), 128 new tokens each, top-k 50, no EOS stop, fp32. For 1, 8 and 32
+concurrent requests, dew's continuous-batching Server (as many slots as requests) runs
+them to completion after a warm-up round; the peer (bench/peers/hf_generate.py in
+.venv-ref) runs transformers' generate over the same prompts as one left-padded batch.
+
+The decode step's achieved bandwidth is the weights plus the KV cache it reads per step
+divided by the step time, set against this machine's measured copy bandwidth.
+
+    uv run python bench/serve_throughput.py [--rounds 2]
+
+Prints a table and writes bench/results/serve_throughput.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew import models
+from dew.inference import Server
+from dew.models.pretrained import Pretrained
+from dew.sampling import Sampling
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
+CONCURRENCY = (1, 8, 32)
+NEW_TOKENS, CAPACITY = 128, 192
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 512 MiB numpy copy, best of 3."""
+    source = np.ones(2**27, np.float32)
+    target = np.empty_like(source)
+    best = min(_timed(lambda: np.copyto(target, source)) for _ in range(3))
+    return 2 * source.nbytes / best / 1e9  # read and write
+
+
+def _timed(work) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def dew_round(model, variables, prompts: list[list[int]]) -> tuple[float, float]:
+    """(tokens per second, seconds per decode step) for one batch of requests run to completion."""
+    server = Server(model, variables, Sampling(temperature=1.0, top_k=50), slots=len(prompts), capacity=CAPACITY)
+    for index, prompt in enumerate(prompts):
+        server.submit(prompt, NEW_TOKENS, seed=index)
+    steps, start = 0, time.perf_counter()
+    while server.busy:
+        server.step()
+        steps += 1
+    seconds = time.perf_counter() - start
+    return len(prompts) * NEW_TOKENS / seconds, seconds / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    model = models.build("causal_transformer", vocab_size=8192, emb_features=384, num_layers=6, num_heads=6,
+                         num_kv_heads=2, head_dim=64, mlp_features=1024, max_seq_len=CAPACITY, qk_norm=True)
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    rng = np.random.default_rng(0)
+    prompts = {str(c): [rng.integers(1, 8192, rng.integers(16, 49)).tolist() for _ in range(c)] for c in CONCURRENCY}
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(variables))
+    bandwidth = copy_bandwidth()
+    rates: dict[str, dict[str, list[float]]] = {"dew Server": {}, "transformers generate": {}}
+    step_seconds: dict[str, list[float]] = {}
+    version = None
+    with tempfile.TemporaryDirectory() as scratch:
+        Pretrained.from_model(model).save(variables, scratch)
+        prompts_file = Path(scratch) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        for concurrency in CONCURRENCY:  # compile every shape before timing
+            dew_round(model, variables, prompts[str(concurrency)])
+        for index in range(args.rounds):
+            for concurrency in CONCURRENCY:
+                rate, step = dew_round(model, variables, prompts[str(concurrency)])
+                rates["dew Server"].setdefault(str(concurrency), []).append(rate)
+                step_seconds.setdefault(str(concurrency), []).append(step)
+            if PEER_PYTHON.exists():
+                out = subprocess.run([str(PEER_PYTHON), str(ROOT / "bench" / "peers" / "hf_generate.py"), scratch,
+                                      str(prompts_file), str(NEW_TOKENS)], capture_output=True, text=True, check=True)
+                peer = json.loads(out.stdout.strip().splitlines()[-1])
+                version = peer.pop("transformers")
+                for concurrency, rate in peer.items():
+                    rates["transformers generate"].setdefault(concurrency, []).append(rate)
+            print(f"round {index + 1}/{args.rounds}: " + "; ".join(
+                f"{name} " + ", ".join(f"{c}: {v[-1]:.0f}" for c, v in by.items()) for name, by in rates.items() if by))
+    print(f"\nGeneration, 12.6M-parameter decoder ({weight_bytes / 2**20:.0f} MiB fp32), prompts 16-48 ids, "
+          f"{NEW_TOKENS} new tokens, top-k 50, 2 CPU cores; copy bandwidth {bandwidth:.1f} GB/s")
+    print(f"{'concurrency':>11} {'dew tok/s':>10} {'HF tok/s':>9} {'ratio':>7} {'step ms':>8} {'read GB/s':>10} {'of copy':>8}")
+    summary = {}
+    for concurrency in CONCURRENCY:
+        key = str(concurrency)
+        dew = statistics.median(rates["dew Server"][key])
+        peer = statistics.median(rates["transformers generate"][key]) if rates["transformers generate"] else None
+        step = statistics.median(step_seconds[key])
+        kv_bytes = 2 * 6 * concurrency * CAPACITY * 2 * 64 * 4  # keys and values, every layer, every slot position
+        read = (weight_bytes + kv_bytes) / step / 1e9
+        summary[key] = {"dew": dew, "transformers": peer, "step_seconds": step, "read_gbps": read}
+        print(f"{concurrency:>11} {dew:>10.0f} {(f'{peer:.0f}' if peer else '-'):>9} "
+              f"{(f'{dew / peer:.2f}x' if peer else '-'):>7} {step * 1e3:>8.2f} {read:>10.1f} {read / bandwidth:>7.0%}")
+    results = ROOT / "bench" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "serve_throughput.json").write_text(json.dumps(
+        {"rates": rates, "summary": summary, "copy_gbps": bandwidth, "transformers": version}, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3))
+    positions = np.arange(len(CONCURRENCY))
+    axis.bar(positions - 0.2, [summary[str(c)]["dew"] for c in CONCURRENCY], 0.4, label="dew Server", color="#4477aa")
+    if version:
+        axis.bar(positions + 0.2, [summary[str(c)]["transformers"] for c in CONCURRENCY], 0.4,
+                 label=f"transformers {version} generate", color="#bbbbbb")
+    axis.set_xticks(positions, [f"{c} concurrent" for c in CONCURRENCY])
+    axis.set_ylabel("generated tokens per second")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(results / "serve_throughput.png", dpi=120)
+    print(f"wrote {results / 'serve_throughput.json'} and {results / 'serve_throughput.png'}")
+
+
+if __name__ == "__main__":
+    main()
