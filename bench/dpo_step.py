@@ -39,7 +39,7 @@ def worker(kind: str, steps: int) -> None:
     import numpy as np
     import optax
 
-    from dew import Dataset, Trainer, models
+    from dew import Trainer, models
     from dew.data import Loading, Partition, PreferencePairs
     from dew.objectives import LMObjective
     from dew.objectives.rl import DPOObjective

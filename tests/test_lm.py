@@ -72,7 +72,7 @@ def good_batch():
         (lambda b: b.update(text=np.zeros((2, 9), np.int32)), ValueError, "has width 9, expected seq_len \\+ 1 = 7"),
         (lambda b: b.update(text=np.zeros((14,), np.int32)), ValueError, "must be \\[rows, seq_len \\+ 1\\]"),
         (lambda b: b.update(text_roles=np.zeros((2, 6), np.int8)), ValueError, "'text_roles' must have shape \\(2, 7\\)"),
-        (lambda b: b["text"].__setitem__((1, 3), 16), ValueError, "row 1 of 'text' holds an id outside the vocabulary"),
+        (lambda b: b["text"].__setitem__((1, 3), 16), ValueError, "'text' row 1 holds an id outside the vocabulary"),
     ],
 )
 def test_bad_batches_raise_clear_errors(tiny_model, change, error, message):

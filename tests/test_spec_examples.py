@@ -1,7 +1,6 @@
 """The spec's code blocks run as written, after the TinyStories stand-in prelude."""
 
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np

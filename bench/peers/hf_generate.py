@@ -10,7 +10,6 @@ import json
 import sys
 import time
 
-import numpy as np
 import torch
 import transformers
 from transformers import AutoModelForCausalLM

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 
-import numpy as np
 
 from dew.data.dataset import Dataset, Partition
 from dew.data.loading import Loading, RecordStream, batches_per_epoch, local_rows

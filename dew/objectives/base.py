@@ -17,18 +17,27 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 Variables = Mapping[str, Any]
 
 
 class Objective:
-    """Base class with the protocol's defaults; subclasses override ``init`` and ``loss``."""
+    """Base class with the protocol's defaults; subclasses override ``loss`` (and ``init`` if
+    their variables are not the model's own). ``model``, ``seq_len`` and ``pretrained`` are
+    set by subclasses that train a decoder on token ids."""
 
     ema_decay: float | None = None
+    model = None
+    seq_len: int = 0
+    pretrained: Variables | None = None
 
     def init(self, key: jax.Array) -> Variables:
-        raise NotImplementedError
+        """``pretrained`` when given, else the model's initialisation for ``seq_len`` ids."""
+        if self.pretrained is not None:
+            return self.pretrained
+        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
 
     def validate(self, batch: Mapping[str, np.ndarray]) -> None:
         """Check a host batch before it reaches the compiled update."""
@@ -75,3 +84,22 @@ def check_integer_field(batch: Mapping[str, Any], field: str, shape: tuple[int, 
         raise TypeError(f"{owner}: batch field {field!r} must hold integers, got dtype {dtype}")
     if tuple(np.shape(value)) != shape:
         raise ValueError(f"{owner}: batch field {field!r} must have shape {shape}, got {tuple(np.shape(value))}")
+
+
+def check_seq_len(model, seq_len) -> int:
+    """A positive ``seq_len`` within the model's ``max_seq_len``, or a ValueError naming both."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    max_seq_len = getattr(model, "max_seq_len", None)
+    if max_seq_len is not None and seq_len > max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}")
+    return int(seq_len)
+
+
+def check_vocabulary(ids, model, owner: str, what: str) -> None:
+    """Raise naming the first ``what`` (row, pair) of ``ids`` with an id outside the model's vocabulary."""
+    vocab = getattr(model, "vocab_size", None)
+    ids = np.asarray(ids)
+    if vocab is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        index = int(np.argwhere((ids < 0) | (ids >= vocab))[0, 0])
+        raise ValueError(f"{owner}: {what} {index} holds an id outside the vocabulary [0, {vocab})")

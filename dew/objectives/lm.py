@@ -29,7 +29,9 @@ from dew.objectives.base import (
     Variables,
     check_ema_decay,
     check_integer_field,
+    check_seq_len,
     check_variables,
+    check_vocabulary,
     require_field,
 )
 
@@ -86,26 +88,17 @@ class LMObjective(Objective):
         loss_role: Role | int | None = None,
         ema_decay: float | None = 0.999,
     ):
-        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-        max_seq_len = getattr(model, "max_seq_len", None)
-        if max_seq_len is not None and seq_len > max_seq_len:
-            raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}")
+        seq_len = check_seq_len(model, seq_len)
         if loss_role is not None:
             try:
                 loss_role = Role(int(loss_role))
             except ValueError:
                 raise ValueError(f"loss_role must be a Role ({[r.name for r in Role]}), got {loss_role!r}") from None
         self.model = model
-        self.seq_len = int(seq_len)
+        self.seq_len = seq_len
         self.pretrained = None if pretrained is None else check_variables(pretrained)
         self.loss_role = loss_role
         self.ema_decay = check_ema_decay(ema_decay)
-
-    def init(self, key: jax.Array) -> Variables:
-        if self.pretrained is not None:
-            return self.pretrained
-        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
 
     def validate(self, batch) -> None:
         owner = f"LMObjective(seq_len={self.seq_len})"
@@ -123,11 +116,7 @@ class LMObjective(Objective):
         for field in OPTIONAL_FIELDS:
             if field in batch:
                 check_integer_field(batch, field, (rows, width), owner)
-        vocab = getattr(self.model, "vocab_size", None)
-        ids = np.asarray(text)
-        if vocab is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            row = int(np.argwhere((ids < 0) | (ids >= vocab))[0, 0])
-            raise ValueError(f"{owner}: row {row} of 'text' holds an id outside the vocabulary [0, {vocab})")
+        check_vocabulary(text, self.model, owner, "'text' row")
 
     def _scores(self, variables, batch):
         """Per-transition log-probabilities and weights, both [rows, seq_len]."""

@@ -25,7 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Variables, check_integer_field, check_variables, require_field
+from dew.objectives.base import (
+    Objective,
+    Variables,
+    check_integer_field,
+    check_seq_len,
+    check_variables,
+    check_vocabulary,
+    require_field,
+)
 from dew.objectives.lm import token_log_probs
 from dew.objectives.rl.losses import dpo_loss, sequence_log_probs
 
@@ -47,22 +55,13 @@ class DPOObjective(Objective):
             raise ValueError(
                 f"DPOObjective keeps its reference in the EMA slot with ema_decay fixed at 1; got ema_decay={ema_decay!r}"
             )
-        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-        max_seq_len = getattr(model, "max_seq_len", None)
-        if max_seq_len is not None and seq_len > max_seq_len:
-            raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}")
+        seq_len = check_seq_len(model, seq_len)
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
             raise ValueError(f"beta must be positive, got {beta!r}")
         self.model = model
-        self.seq_len = int(seq_len)
+        self.seq_len = seq_len
         self.beta = float(beta)
         self.pretrained = None if pretrained is None else check_variables(pretrained)
-
-    def init(self, key: jax.Array) -> Variables:
-        if self.pretrained is not None:
-            return self.pretrained
-        return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
 
     def validate(self, batch) -> None:
         owner = f"DPOObjective(seq_len={self.seq_len})"
@@ -75,11 +74,7 @@ class DPOObjective(Objective):
                     f"got {shape}"
                 )
             check_integer_field(batch, field, shape, owner)
-        ids = np.asarray(batch["input_ids"])
-        vocab = getattr(self.model, "vocab_size", None)
-        if vocab is not None and (ids.min() < 0 or ids.max() >= vocab):
-            row = int(np.argwhere((ids < 0) | (ids >= vocab))[0, 0])
-            raise ValueError(f"{owner}: pair {row} of 'input_ids' holds an id outside the vocabulary [0, {vocab})")
+        check_vocabulary(batch["input_ids"], self.model, owner, "'input_ids' pair")
 
     def token_log_probs(self, variables, batch) -> tuple[jax.Array, jax.Array]:
         """Per-target log-probabilities and target weights, both [pairs, 2, seq_len]."""
