@@ -213,14 +213,9 @@ class ChatMessages(PartitionedLoader):
 
     # ----- packing -------------------------------------------------------------------------
 
-    def _pack(self, records: list[Record]) -> dict[str, np.ndarray]:
-        encoded = self.loading.encode(records, self.encode)
+    def collate(self, encoded: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Conversations packed in order into rows of ``seq_len + 1`` ids."""
         return pack_documents([ids for ids, _ in encoded], self.seq_len + 1, self.pad_id, [r for _, r in encoded])
-
-    def columns(self, partition: Partition) -> dict[str, np.ndarray]:
-        if partition not in self._encoded:
-            self._encoded[partition] = self._pack(self.records[partition.index :: partition.count])
-        return self._encoded[partition]
 
     def load(self, batch: int) -> Dataset:
         """Packed ``text``, ``text_roles``, ``text_segment_ids``, ``text_positions`` batches, each [B, L + 1]."""
@@ -228,7 +223,9 @@ class ChatMessages(PartitionedLoader):
 
         here = local_partition()
         row_count = len(self.columns(here)["text"])
-        val_rows = None if self.val_records is None else self._pack(self.val_records)
+        val_rows = None
+        if self.val_records is not None:
+            val_rows = self.collate(self.loading.encode(self.val_records, self.encode))
 
         def train(partition: Partition) -> RecordStream:
             columns = self.columns(partition)

@@ -228,11 +228,15 @@ class PartitionedLoader:
     def encode(self, record: Record) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def collate(self, encoded: list) -> dict[str, np.ndarray]:
+        """Columns from the encoded records of a partition (default: stacked, one row per record)."""
+        return stack(encoded)
+
     def columns(self, partition: Partition) -> dict[str, np.ndarray]:
-        """This partition's records, encoded and stacked (cached)."""
+        """This partition's records, encoded and collated (cached)."""
         if partition not in self._encoded:
-            rows = self.loading.encode(partition_of(self.records, partition), self.encode)
-            self._encoded[partition] = stack(rows)
+            encoded = self.loading.encode(partition_of(self.records, partition), self.encode)
+            self._encoded[partition] = self.collate(encoded)
         return self._encoded[partition]
 
     def load(self, batch: int):
