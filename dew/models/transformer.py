@@ -114,17 +114,17 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
         if length == 1:
-            # One query per row (a decode step): XLA's CPU batched dot pays a fixed cost per (row, head)
-            # pair, so multiply-and-reduce, which fuses into one loop, is several times faster here.
-            scores = (q[:, 0, :, :, None, :].astype(jnp.float32) * k[:, :, None, :, :].astype(jnp.float32)).sum(-1)
-            scores = scores[:, :, :, None, :]
+            # One query per row (a decode step): with the cache positions as the product's long side XLA's
+            # CPU batched dot runs about 2.5 times faster than with the few query heads there.
+            scores = jnp.einsum("bksd,bkgd->bksg", k.astype(q.dtype), q[:, 0], preferred_element_type=jnp.float32)
+            scores = scores.transpose(0, 1, 3, 2)[:, :, :, None, :]
         else:
             scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         if length == 1:
-            out = (weights[:, :, :, 0, :, None] * v[:, :, None, :, :].astype(self.dtype)).sum(-2)[:, None]
+            out = jnp.einsum("bksd,bkgs->bkgd", v.astype(self.dtype), weights[:, :, :, 0])[:, None]
         else:
             out = jnp.einsum("bkgts,bksd->btkgd", weights, v.astype(self.dtype))
         out = out.reshape(batch, length, self.num_heads * self.head_dim)
