@@ -256,18 +256,15 @@ def read_conversations(path, split: str, options: HFOptions) -> list[Record]:
     """Rows of a conversation source as Records (see ChatMessages for what ``path`` may be)."""
     from dew.data.loading import read_file
 
-    if isinstance(path, (str, Path)) and Path(path).suffix in (".parquet", ".jsonl", ".json") and Path(path).exists():
+    by_name = isinstance(path, (str, Path))  # a file, a saved directory or a dataset id
+    if by_name and Path(path).suffix in (".parquet", ".jsonl", ".json"):
         return read_file(Path(path), "ChatMessages")
     import datasets
 
-    source = str(path) if isinstance(path, (str, Path)) else type(path).__name__
-    if isinstance(path, (str, Path)) and (Path(path) / "dataset_info.json").exists() or (
-        isinstance(path, (str, Path)) and (Path(path) / "dataset_dict.json").exists()
-    ):
-        path = datasets.load_from_disk(str(path))
-    elif isinstance(path, (str, Path)):
-        if Path(path).suffix in (".parquet", ".jsonl", ".json"):
-            raise FileNotFoundError(f"ChatMessages: {path} does not exist")
+    source = str(path) if by_name else type(path).__name__
+    if by_name and any((Path(path) / marker).exists() for marker in ("dataset_info.json", "dataset_dict.json")):
+        path = datasets.load_from_disk(str(path))  # a directory written by save_to_disk
+    elif by_name:
         try:
             path = datasets.load_dataset(str(path), split=split, **options.kwargs())
         except Exception as error:  # datasets raises many types for a missing or unreachable dataset

@@ -68,7 +68,12 @@ class _Active:
 
 def cast_floating(variables, dtype):
     """Floating leaves in ``dtype``, others as they are."""
-    return jax.tree.map(lambda x: jnp.asarray(x).astype(dtype) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) else jnp.asarray(x), variables)
+
+    def cast(leaf):
+        leaf = jnp.asarray(leaf)
+        return leaf.astype(dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+
+    return jax.tree.map(cast, variables)
 
 
 @partial(jax.jit, static_argnames=("model",), donate_argnames=("cache", "last"))

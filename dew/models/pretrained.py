@@ -195,27 +195,25 @@ class Pretrained:
         if directory is None:
             raise ValueError("Pretrained.load needs a directory (this Pretrained was built from a model)")
         tensors = read_safetensors(directory)
+        expected = jax.eval_shape(self.model().init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
         params: dict = {}
         for path, (name, transposed) in self.names().items():
             if name not in tensors:
                 raise KeyError(f"{directory}: the checkpoint has no tensor {name!r}, which {self.architecture} needs")
             value = tensors.pop(name)
             value = np.asarray(value.T if transposed else value).astype(dtype)
-            node = params
+            node, shape = params, expected
             for key in path[:-1]:
-                node = node.setdefault(key, {})
+                node, shape = node.setdefault(key, {}), shape[key]
+            if value.shape != shape[path[-1]].shape:
+                raise ValueError(
+                    f"{directory}: {name} holds shape {value.shape} after layout, expected {shape[path[-1]].shape}"
+                )
             node[path[-1]] = value
         tensors.pop("lm_head.weight", None)  # a tied checkpoint may still carry the shared matrix
         leftover = sorted(name for name in tensors if not name.endswith("rotary_emb.inv_freq"))
         if leftover:
             raise ValueError(f"{directory}: tensors dew does not know how to place: {leftover[:5]}")
-        expected = jax.eval_shape(self.model().init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-        for path, (name, _) in self.names().items():
-            node, shape = params, expected
-            for key in path:
-                node, shape = node[key], shape[key]
-            if node.shape != shape.shape:
-                raise ValueError(f"{directory}: {name} holds shape {node.shape} after layout, expected {shape.shape}")
         return {"params": params}
 
     # ----- writing -------------------------------------------------------------------------
