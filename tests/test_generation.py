@@ -3,18 +3,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew import models
 from dew.inference import TextGeneration
 from dew.sampling import Sampling
 
 
 @pytest.fixture(scope="module")
-def policy():
-    model = models.build("causal_transformer", vocab_size=32, emb_features=32, num_layers=2, num_heads=4,
-                         num_kv_heads=2, mlp_features=64, max_seq_len=64)
-    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    # Sharper logits than the initialisation's, so greedy choices are far from ties.
-    variables = jax.tree.map(lambda x: x * 3, variables)
+def policy(sharp_decoder):
+    model, variables = sharp_decoder
     return TextGeneration(model).bind(variables)
 
 

@@ -3,7 +3,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew import models
 from dew.inference import NativeRolloutServer, Server, ServingTask, TextGeneration
 from dew.sampling import Sampling
 
@@ -11,11 +10,8 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16], [17, 1
 
 
 @pytest.fixture(scope="module")
-def task():
-    model = models.build("causal_transformer", vocab_size=32, emb_features=32, num_layers=2, num_heads=4,
-                         num_kv_heads=2, mlp_features=64, max_seq_len=64)
-    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    variables = jax.tree.map(lambda x: x * 3, variables)
+def task(sharp_decoder):
+    model, variables = sharp_decoder
     return ServingTask(model, variables, Sampling(temperature=1.0, top_k=8))
 
 
