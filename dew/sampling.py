@@ -81,15 +81,10 @@ def filtered_logits(logits: jax.Array, sampling: Sampling) -> tuple[jax.Array, j
     logits: [rows, vocab] float32 -> ([rows, vocab], [rows, top_k] int32 or None)
     """
     scaled = logits.astype(jnp.float32) / sampling.temperature
-    support = None
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
-        values, indices = jax.lax.top_k(scaled, sampling.top_k)  # sorted, descending
-        keep = _filter_sorted(values, sampling)
-        support = jnp.where(keep, indices, -1).astype(jnp.int32)
+        kept_values, indices, support = top_k_candidates(logits, sampling)
         rows = jnp.arange(logits.shape[0])[:, None]
-        kept_values = jnp.where(keep, values, NEG_INF)
-        out = jnp.full_like(scaled, NEG_INF).at[rows, indices].set(kept_values)
-        return out, support
+        return jnp.full_like(scaled, NEG_INF).at[rows, indices].set(kept_values), support
     if sampling.top_p is not None:
         order = jnp.argsort(-scaled, axis=-1)
         values = jnp.take_along_axis(scaled, order, axis=-1)
@@ -100,6 +95,17 @@ def filtered_logits(logits: jax.Array, sampling: Sampling) -> tuple[jax.Array, j
     if sampling.min_p is not None:
         return jnp.where(_min_p_keep(scaled, sampling.min_p), scaled, NEG_INF), None
     return scaled, None
+
+
+def top_k_candidates(logits: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The top-k candidates after temperature and the later filters.
+
+    Returns their scaled logits (-inf where top-p or min-p removed one), their ids and the
+    support (ids, -1 where removed), each [rows, top_k], sorted by descending logit.
+    """
+    values, indices = jax.lax.top_k(logits.astype(jnp.float32) / sampling.temperature, sampling.top_k)
+    keep = _filter_sorted(values, sampling)
+    return jnp.where(keep, values, NEG_INF), indices, jnp.where(keep, indices, -1).astype(jnp.int32)
 
 
 def _filter_sorted(values: jax.Array, sampling: Sampling) -> jax.Array:
@@ -134,13 +140,10 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> Sample:
         behavior = jnp.zeros(ids.shape, jnp.float32)
         support = ids[:, None].astype(jnp.int32) if sampling.top_k is not None else None
     elif sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
-        values, indices = jax.lax.top_k(logits / sampling.temperature, sampling.top_k)
-        keep = _filter_sorted(values, sampling)
-        kept = jnp.where(keep, values, NEG_INF)
+        kept, indices, support = top_k_candidates(logits, sampling)
         choice = jax.random.categorical(key, kept, axis=-1)
         ids = jnp.take_along_axis(indices, choice[:, None], axis=-1)[:, 0]
         behavior = jnp.take_along_axis(jax.nn.log_softmax(kept, axis=-1), choice[:, None], axis=-1)[:, 0]
-        support = jnp.where(keep, indices, -1).astype(jnp.int32)
     else:
         filtered, _ = filtered_logits(logits, sampling)
         ids = jax.random.categorical(key, filtered, axis=-1)
