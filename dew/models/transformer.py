@@ -36,8 +36,12 @@ MLP_ACTIVATIONS = ("swiglu", "gelu")
 class KVCache:
     """Keys and values of every layer for decoding.
 
-    keys, values: one [batch, kv_heads, capacity, head_dim] array per layer (separate
-    arrays, so a decode step updates each in place rather than copying a stacked block)
+    keys: one [batch, kv_heads, head_dim, capacity] array per layer, stored transposed so
+    a decode step's scores are a plain ``q @ keys`` product: XLA's CPU batched dot runs
+    the transposed-operand form several times slower at these shapes
+    values: one [batch, kv_heads, capacity, head_dim] array per layer
+    (separate arrays per layer, so a decode step updates each in place rather than
+    copying a stacked block)
     lengths: [batch] int32, the number of valid positions of each row.
     """
 
@@ -47,7 +51,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2]
+        return self.values[0].shape[2]
 
 
 def init_cache(model: "CausalTransformer", batch: int, capacity: int, dtype=None) -> KVCache:
@@ -55,9 +59,10 @@ def init_cache(model: "CausalTransformer", batch: int, capacity: int, dtype=None
     if batch < 1 or capacity < 1:
         raise ValueError(f"a cache needs batch >= 1 and capacity >= 1, got batch={batch}, capacity={capacity}")
     shape = (batch, model.kv_heads, capacity, model.head_size)
+    transposed = (batch, model.kv_heads, model.head_size, capacity)
     dtype = dtype or model.dtype
     return KVCache(
-        keys=tuple(jnp.zeros(shape, dtype) for _ in range(model.num_layers)),
+        keys=tuple(jnp.zeros(transposed, dtype) for _ in range(model.num_layers)),
         values=tuple(jnp.zeros(shape, dtype) for _ in range(model.num_layers)),
         lengths=jnp.zeros((batch,), jnp.int32),
     )
@@ -106,27 +111,26 @@ class Attention(nn.Module):
         q = rotary(q, positions, self.rope_theta)
         k = rotary(k, positions, self.rope_theta)
 
-        if write is not None:  # decoding: store the new keys and values, attend over the whole cache row
-            k, v = write(k, v)
-        else:  # the cache's layout [batch, kv_heads, positions, head_dim], which attends without transposes
-            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
-        if length == 1:
-            # One query per row (a decode step): with the cache positions as the product's long side XLA's
-            # CPU batched dot runs about 2.5 times faster than with the few query heads there.
-            scores = jnp.einsum("bksd,bkgd->bksg", k.astype(q.dtype), q[:, 0], preferred_element_type=jnp.float32)
-            scores = scores.transpose(0, 1, 3, 2)[:, :, :, None, :]
+        if write is None:  # a full forward pass: keys and values as projected, [B, S, K, D]
+            key_spec, value_spec = "bskd", "bskd"
+        else:  # decoding: store the new keys and values, attend over the whole cache row
+            k, v = write(k, v)
+            key_spec, value_spec = "bkds", "bksd"
+        if length == 1 and write is not None:
+            # A decode step as the plain batched product [B, K, G, D] @ [B, K, D, S]: XLA's CPU
+            # dot runs several times faster than when it has to transpose an operand.
+            scores = jnp.matmul(q[:, 0], k.astype(q.dtype), preferred_element_type=jnp.float32)[:, :, :, None]
         else:
-            scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+            scores = jnp.einsum(f"btkgd,{key_spec}->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        if length == 1:
-            out = jnp.einsum("bksd,bkgs->bkgd", v.astype(self.dtype), weights[:, :, :, 0])[:, None]
+        if length == 1 and write is not None:
+            out = jnp.matmul(weights[:, :, :, 0], v.astype(self.dtype))[:, None]
         else:
-            out = jnp.einsum("bkgts,bksd->btkgd", weights, v.astype(self.dtype))
+            out = jnp.einsum(f"bkgts,{value_spec}->btkgd", weights, v.astype(self.dtype))
         out = out.reshape(batch, length, self.num_heads * self.head_dim)
         return dense(x.shape[-1], "o_proj", False)(out)
 
@@ -270,17 +274,18 @@ class CausalTransformer(nn.Module):
         mask = slots <= (start[:, None] + jnp.arange(length)[None, :])[:, :, None]
         valid = jnp.arange(length)[None, :] < lengths[:, None]  # [B, T]
 
-        # One scatter per layer: row b, slots start[b] + t for its valid ids; invalid ids point
-        # past the end and are dropped, so a finished row's cache stays as it was.
+        # One scatter per array and layer: row b, slots start[b] + t for its valid ids; invalid
+        # ids point past the end and are dropped, so a finished row's cache stays as it was.
         rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, length))
         slots_written = jnp.where(valid, start[:, None] + jnp.arange(length)[None, :], capacity)
         written = {"keys": list(cache.keys), "values": list(cache.values)}
 
         def write(layer, k, v):
-            for name, new in (("keys", k), ("values", v)):
-                old = written[name][layer]
-                # rows and slots index axes 0 and 2; the indexed block is [batch, length, kv_heads, head_dim]
-                written[name][layer] = old.at[rows, :, slots_written].set(new.astype(old.dtype), mode="drop")
+            # rows and slots index the batch and position axes; the indexed block is
+            # [batch, length, kv_heads, head_dim] in both layouts
+            keys, values = written["keys"][layer], written["values"][layer]
+            written["keys"][layer] = keys.at[rows, :, :, slots_written].set(k.astype(keys.dtype), mode="drop")
+            written["values"][layer] = values.at[rows, :, slots_written].set(v.astype(values.dtype), mode="drop")
             return written["keys"][layer], written["values"][layer]
 
         return mask, positions, write, lengths, written
