@@ -22,6 +22,7 @@ from dew.data import Loading  # noqa: F401
 from dew.data.chat import Role  # noqa: F401
 from dew.data.stories import story_dataset, story_decoder, story_tokenizer
 from dew.objectives import LMObjective
+from dew.sampling import Sampling  # noqa: F401
 
 SEQ_LEN = 64
 PRETRAIN_STEPS = 300
@@ -43,5 +44,5 @@ response = tokenizer.encode(" He kicked it to his dog.")
 
 __all__ = [
     "Dataset", "LMObjective", "Loading", "Role", "Trainer", "itertools", "jax", "lm_state", "model", "models", "np",
-    "optax", "prompt", "response", "tokenizer",
+    "optax", "prompt", "response", "Sampling", "tokenizer",
 ]

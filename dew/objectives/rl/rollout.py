@@ -1,0 +1,168 @@
+"""``SampledRollout``: the trainer's rollout hook for single-turn GRPO with a reward function.
+
+Called by the Trainer before each update with a ``Prompts`` batch (``prompt`` [B, P]
+left-padded, ``prompt_length`` [B], UTF-8 byte columns ``data_source``,
+``ground_truth``, ``extra_info``), the current variables, the policy version and a key,
+it samples ``groups`` completions of up to ``max_new_tokens`` ids for every prompt
+with the native :class:`~dew.inference.TextGeneration` (prompts prefilled once,
+packed into each row's cache), scores every completion with
+
+    reward(data_source: str, completion: str, ground_truth: str, extra_info: str) -> float
+
+(``completion`` is ``decode`` of the sampled ids without EOS and padding; the default
+``decode`` writes the ids separated by spaces), turns each completion into a one-call
+:class:`~dew.objectives.rl.sessions.Session` (COMPLETED on EOS, TRUNCATED on the budget,
+both scored: ``truncation="score"``) and returns ``pack(...)`` of them with the raw
+policy's ``old_log_probs``: every column ``[B * G, seq_len + 1]``, session ``b * G + g``
+being prompt row ``b``'s completion ``g``. A reward or decode failure raises naming the
+prompt row; nothing trains on a partial group.
+
+``metrics`` holds the last batch's ``reward/mean``, ``reward/share_positive``,
+``response/length`` and ``response/eos_share``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from dew.data.prompts import METADATA, utf8_text
+from dew.inference.generation import TextGeneration
+from dew.objectives.rl.sessions import ESTIMATORS, Call, Session, Status, Task, pack
+from dew.sampling import Sampling
+
+
+def token_text(ids: Sequence[int]) -> str:
+    """The default decode: ids separated by spaces."""
+    return " ".join(str(int(i)) for i in ids)
+
+
+class SampledRollout:
+    """Sample, score and pack GRPO groups (see the module docstring)."""
+
+    def __init__(
+        self,
+        objective,
+        reward: Callable[[str, str, str, str], float],
+        groups: int,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+        estimator: str = "group",
+    ):
+        if not callable(reward):
+            raise TypeError(f"reward must be callable as reward(data_source, completion, ground_truth, extra_info), got {reward!r}")
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 2:
+            raise ValueError(f"groups must be an integer >= 2 (advantages compare completions of one prompt), got {groups!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        sampling = Sampling() if sampling is None else sampling
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        if decode is not None and not callable(decode):
+            raise TypeError(f"decode must be callable on a list of ids, got {decode!r}")
+        self.objective = objective
+        self.reward = reward
+        self.groups = groups
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.decode = decode or token_text
+        self.estimator = estimator
+        self.policy = TextGeneration(objective.model)
+        self.metrics: dict[str, float] = {}
+
+    def __call__(self, batch, variables, version: int, key: jax.Array) -> dict[str, np.ndarray]:
+        prompts, lengths = self._prompts(batch)
+        width = self.objective.seq_len + 1
+        longest = max(len(p) for p in prompts)
+        if longest + self.max_new_tokens > width:
+            raise ValueError(
+                f"a prompt of {longest} ids plus max_new_tokens={self.max_new_tokens} needs seq_len >= "
+                f"{longest + self.max_new_tokens - 1}; the objective has seq_len={self.objective.seq_len} "
+                "(use seq_len = P + R - 1)"
+            )
+        contexts = [prompt for prompt in prompts for _ in range(self.groups)]
+        generation = jax.device_get(self.policy.bind(variables)(contexts, self.max_new_tokens, key, self.sampling))
+        metadata = {field: self._texts(batch, field, len(prompts)) for field in METADATA}
+        eos_ids = set(self.sampling.eos_ids)
+        sessions = []
+        for index, context in enumerate(contexts):
+            row, sample = divmod(index, self.groups)
+            count = int(generation.lengths[index])
+            ids = [int(i) for i in generation.ids[index, :count]]
+            ended = bool(generation.eos[index])
+            text_ids = ids[:-1] if ended and ids and ids[-1] in eos_ids else ids
+            try:
+                completion = self.decode(text_ids)
+            except Exception as error:
+                raise ValueError(f"decode failed on a completion of prompt row {row} (sample {sample}): {error!r}") from error
+            try:
+                score = self.reward(metadata["data_source"][row], completion, metadata["ground_truth"][row],
+                                    metadata["extra_info"][row])
+            except Exception as error:
+                raise ValueError(f"the reward raised on a completion of prompt row {row} (sample {sample}): {error!r}") from error
+            if isinstance(score, bool) or not isinstance(score, (int, float, np.number)) or not math.isfinite(score):
+                raise ValueError(
+                    f"the reward returned {score!r} for a completion of prompt row {row} (sample {sample}); "
+                    "it must return a finite float"
+                )
+            call = Call(
+                prompt_ids=context,
+                sampled_ids=ids,
+                behavior_log_probs=generation.behavior_log_probs[index, :count].tolist(),
+                old_log_probs=generation.old_log_probs[index, :count].tolist(),
+                finish_reason="stop" if ended else "length",
+                version=version,
+            )
+            sessions.append(Session(
+                task=Task(str(row)), group=0, sample=sample, attempt=0, calls=[call],
+                status=Status.COMPLETED if ended else Status.TRUNCATED, reward=float(score),
+            ))
+        packed = pack(sessions, width, rows=len(contexts), estimator=self.estimator, truncation="score")
+        rewards = np.array([s.reward for s in sessions])
+        self.metrics = {
+            "reward/mean": float(rewards.mean()),
+            "reward/share_positive": float((rewards > 0).mean()),
+            "response/length": float(np.mean(generation.lengths)),
+            "response/eos_share": float(np.mean(generation.eos)),
+        }
+        return packed
+
+    def _prompts(self, batch) -> tuple[list[list[int]], np.ndarray]:
+        for field in ("prompt", "prompt_length"):
+            if field not in batch:
+                raise KeyError(f"SampledRollout needs a Prompts batch with {field!r}; the batch has {sorted(batch)}")
+        prompt = np.asarray(batch["prompt"])
+        lengths = np.asarray(batch["prompt_length"])
+        if prompt.ndim != 2 or lengths.shape != prompt.shape[:1]:
+            raise ValueError(f"prompt must be [B, P] with prompt_length [B], got {prompt.shape} and {lengths.shape}")
+        rows = []
+        for row, length in enumerate(lengths):
+            if not 1 <= length <= prompt.shape[1]:
+                raise ValueError(f"prompt row {row} has prompt_length {int(length)}; expected 1..{prompt.shape[1]}")
+            rows.append([int(i) for i in prompt[row, prompt.shape[1] - length:]])  # left-padded
+        vocab = getattr(self.objective.model, "vocab_size", None)
+        for row, ids in enumerate(rows):
+            if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
+                raise ValueError(f"prompt row {row} holds an id outside the vocabulary [0, {vocab})")
+        return rows, lengths
+
+    @staticmethod
+    def _texts(batch, field: str, rows: int) -> list[str]:
+        if field not in batch:
+            return [""] * rows
+        values = np.asarray(batch[field])
+        if values.ndim != 2 or values.shape[0] != rows:
+            raise ValueError(f"{field} must be a [B, W] UTF-8 byte column with B={rows}, got shape {values.shape}")
+        texts = []
+        for row in range(rows):
+            try:
+                texts.append(utf8_text(values[row]))
+            except (UnicodeDecodeError, ValueError) as error:
+                raise ValueError(f"prompt row {row}: {field} is not valid UTF-8 bytes ({error})") from error
+        return texts

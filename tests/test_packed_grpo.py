@@ -1,0 +1,122 @@
+"""Packed GRPO equals GRPO over the unmerged chains, one call per row, gradients included."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew import models
+from dew.objectives.rl import GRPOObjective
+from dew.objectives.rl.sessions import Call, Session, Status, Task, pack
+
+WIDTH = 24
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    model = models.build("causal_transformer", vocab_size=32, emb_features=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, mlp_features=64, max_seq_len=32)
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    reference = jax.tree.map(lambda x: x + 0.05 * jnp.sin(jnp.arange(x.size).reshape(x.shape)), variables)
+    return model, variables, reference
+
+
+def _sessions():
+    rng = np.random.default_rng(0)
+
+    def call(prompt, sampled):
+        behavior = (-rng.uniform(0.1, 3.0, len(sampled))).tolist()
+        old = (np.asarray(behavior) + rng.normal(0, 0.3, len(sampled))).clip(max=0).tolist()
+        return Call(prompt, sampled, behavior, "stop", 0, old_log_probs=old)
+
+    a1 = call([1, 2, 3], [4, 5, 6])
+    a2 = call([1, 2, 3, 4, 5, 6, 7, 8], [9, 10])  # merges: the prompt holds the whole chain
+    b1 = call([11, 12], [13, 14, 15, 16])
+    c1 = call([1, 2, 3], [20, 21])
+    c2 = call([1, 2, 3, 22], [23, 24, 25])  # a prompt-only prefix: a chain of its own
+    d1 = call([5, 6, 7, 8, 9], [26])
+    return [
+        Session(Task("x"), 0, 0, 0, [a1, a2], Status.COMPLETED, reward=1.0),
+        Session(Task("x"), 0, 1, 0, [b1], Status.COMPLETED, reward=0.0),
+        Session(Task("x"), 0, 2, 0, [c1, c2], Status.AGENT_ERROR, reward=0.5),
+        Session(Task("y"), 0, 0, 0, [d1], Status.COMPLETED, reward=2.0),
+        Session(Task("y"), 0, 1, 0, [call([5, 6], [7, 8])], Status.COMPLETED, reward=-1.0),
+    ]
+
+
+def _unmerged(sessions, packed):
+    """One call per row: its prompt then its sampled ids, with the session's advantage."""
+    advantage = {int(s): float(a) for s, a in zip(packed["session_index"][packed["response_mask"] == 1],
+                                                 packed["advantages"][packed["response_mask"] == 1])}
+    rows = [(number, index, c) for number, s in enumerate(sessions) for index, c in enumerate(s.calls)]
+    batch = {name: np.zeros((len(rows), WIDTH), packed[name].dtype) for name in packed}
+    for name in ("versions", "session_index", "call_index"):
+        batch[name][:] = -1
+    for row, (number, index, c) in enumerate(rows):
+        ids = list(c.prompt_ids) + list(c.sampled_ids)
+        span, sampled = slice(0, len(ids)), slice(len(c.prompt_ids), len(ids))
+        batch["input_ids"][row, span] = ids
+        batch["text_segment_ids"][row, span] = 1
+        batch["text_positions"][row, span] = np.arange(len(ids))
+        batch["response_mask"][row, sampled] = 1
+        batch["behavior_log_probs"][row, sampled] = c.behavior_log_probs
+        batch["old_log_probs"][row, sampled] = c.old_log_probs
+        batch["versions"][row, sampled] = 0
+        batch["session_index"][row, sampled] = number
+        batch["call_index"][row, sampled] = index
+        batch["advantages"][row, span] = advantage[number]
+        total = sum(len(x.sampled_ids) for x in sessions[number].calls)
+        batch["session_weights"][row, sampled] = 1 / total
+    return batch
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(aggregation="session-mean", beta=0.1),
+        dict(policy_loss="cispo", epsilon_high=0.28),
+        dict(behavior_importance=2.0, beta=0.05),
+        dict(behavior_importance=(0.5, 2.0), aggregation="session-mean"),
+    ],
+    ids=["ppo", "session-mean+kl", "cispo", "tis+kl", "icepop"],
+)
+def test_packed_equals_unmerged_with_gradients(decoder, options):
+    model, variables, reference = decoder
+    sessions = _sessions()
+    packed = pack(sessions, WIDTH)
+    assert packed["input_ids"].shape[0] < sum(len(s.calls) for s in sessions)  # chains did merge and share rows
+    assert (packed["text_segment_ids"].max(axis=1) > 1).any()
+    unmerged = _unmerged(sessions, packed)
+    objective = GRPOObjective(model, seq_len=WIDTH - 1, **options)
+    for batch in (packed, unmerged):
+        objective.validate(batch)
+
+    def loss(params, batch):
+        value, metrics = objective.loss(params, reference, {k: jnp.asarray(v) for k, v in batch.items()}, None)
+        return value, metrics
+
+    (packed_loss, packed_metrics), packed_grad = jax.value_and_grad(loss, has_aux=True)(variables, packed)
+    (plain_loss, plain_metrics), plain_grad = jax.value_and_grad(loss, has_aux=True)(variables, unmerged)
+    assert float(packed_metrics["tokens"]) == float(plain_metrics["tokens"]) == 17
+    np.testing.assert_allclose(packed_loss, plain_loss, rtol=1e-5, atol=1e-6)
+    for name in ("mismatch/kl", "mismatch/k3_kl", "mismatch/ess"):
+        np.testing.assert_allclose(packed_metrics[name], plain_metrics[name], rtol=1e-5, atol=1e-6)
+    largest = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(packed_grad), jax.tree.leaves(plain_grad)))
+    scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(plain_grad))
+    assert scale > 1e-4 and largest <= 1e-5 * max(scale, 1.0), (largest, scale)
+
+
+def test_packed_log_probs_score_each_chain_against_its_own_prefix(decoder):
+    model, variables, _ = decoder
+    packed = pack(_sessions(), WIDTH)
+    objective = GRPOObjective(model, seq_len=WIDTH - 1)
+    scores = np.asarray(objective.packed_log_probs(variables, {k: jnp.asarray(v) for k, v in packed.items()}))
+    for row in range(packed["input_ids"].shape[0]):
+        for segment in range(1, packed["text_segment_ids"][row].max() + 1):
+            columns = np.flatnonzero(packed["text_segment_ids"][row] == segment)
+            ids = packed["input_ids"][row, columns]
+            logits = model.apply(variables, jnp.asarray(ids[None, :-1]))
+            alone = jax.nn.log_softmax(logits[0], axis=-1)[np.arange(len(ids) - 1), ids[1:]]
+            np.testing.assert_allclose(scores[row, columns[1:]], alone, atol=1e-5)
+            assert scores[row, columns[0]] == 0  # a chain's first id has no prefix
