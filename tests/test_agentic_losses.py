@@ -180,7 +180,7 @@ def test_empty_batch_gives_zero_not_nan():
     # verl divides by a zero token (or sequence) count here and returns NaN; dew returns 0.
     values, mask = jnp.ones((2, 3)), jnp.zeros((2, 3))
     for mode in ("token-mean", "session-mean"):
-        loss, gradient = jax.value_and_grad(lambda v: aggregate(v, mask, mode))(values)
+        loss, gradient = jax.value_and_grad(lambda v, m=mode: aggregate(v, mask, m))(values)
         assert float(loss) == 0.0 and not np.asarray(gradient).any()
 
 

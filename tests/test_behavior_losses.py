@@ -14,7 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.objectives.rl.losses import aggregate, icepop_weights, ppo_surrogate, token_tis_weights
+from dew.objectives.rl.losses import (
+    aggregate,
+    icepop_weights,
+    ppo_surrogate,
+    token_tis_weights,
+)
 
 FIXTURE = np.load(Path(__file__).resolve().parent / "fixtures" / "verl_behavior.npz")
 META = json.loads(str(FIXTURE["meta"][0]))
