@@ -158,11 +158,12 @@ def test_bypass_mode_uses_behavior_as_the_old_policy(tiny_model, variables):
 def test_validation_scores_prompt_perplexity(tiny_model, variables):
     objective = GRPOObjective(tiny_model, seq_len=9)
     batch = prompt_batch([[3, 4, 5], [6, 7, 8, 9]])
-    totals = jax.device_get(objective.evaluate(variables, {k: jnp.asarray(v) for k, v in batch.items()}))
+    totals = jax.device_get(jax.jit(objective.evaluate)(variables, batch))
     assert float(totals["prompt_tokens"]) == 2 + 3  # real next-token transitions only
     expected = 0.0
+    apply = jax.jit(tiny_model.apply)
     for p in ([3, 4, 5], [6, 7, 8, 9]):
-        logits = tiny_model.apply(variables, jnp.asarray([p[:-1]]))
+        logits = apply(variables, jnp.asarray([p[:-1]]))
         expected -= float(jax.nn.log_softmax(logits[0])[np.arange(len(p) - 1), p[1:]].sum())
     np.testing.assert_allclose(float(totals["nll_sum"]), expected, rtol=1e-5)
     summary = objective.summarize(totals)

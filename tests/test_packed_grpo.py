@@ -93,11 +93,11 @@ def test_packed_equals_unmerged_with_gradients(decoder, options):
         objective.validate(batch)
 
     def loss(params, batch):
-        value, metrics = objective.loss(params, reference, {k: jnp.asarray(v) for k, v in batch.items()}, None)
-        return value, metrics
+        return objective.loss(params, reference, batch, None)
 
-    (packed_loss, packed_metrics), packed_grad = jax.value_and_grad(loss, has_aux=True)(variables, packed)
-    (plain_loss, plain_metrics), plain_grad = jax.value_and_grad(loss, has_aux=True)(variables, unmerged)
+    value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (packed_loss, packed_metrics), packed_grad = value_and_grad(variables, packed)
+    (plain_loss, plain_metrics), plain_grad = value_and_grad(variables, unmerged)
     assert float(packed_metrics["tokens"]) == float(plain_metrics["tokens"]) == 17
     np.testing.assert_allclose(packed_loss, plain_loss, rtol=1e-5, atol=1e-6)
     for name in ("mismatch/kl", "mismatch/k3_kl", "mismatch/ess"):
@@ -111,12 +111,13 @@ def test_packed_log_probs_score_each_chain_against_its_own_prefix(decoder):
     model, variables, _ = decoder
     packed = pack(_sessions(), WIDTH)
     objective = GRPOObjective(model, seq_len=WIDTH - 1)
-    scores = np.asarray(objective.packed_log_probs(variables, {k: jnp.asarray(v) for k, v in packed.items()}))
+    scores = np.asarray(jax.jit(objective.packed_log_probs)(variables, packed))
+    apply = jax.jit(model.apply)
     for row in range(packed["input_ids"].shape[0]):
         for segment in range(1, packed["text_segment_ids"][row].max() + 1):
             columns = np.flatnonzero(packed["text_segment_ids"][row] == segment)
             ids = packed["input_ids"][row, columns]
-            logits = model.apply(variables, jnp.asarray(ids[None, :-1]))
+            logits = apply(variables, jnp.asarray(ids[None, :-1]))
             alone = jax.nn.log_softmax(logits[0], axis=-1)[np.arange(len(ids) - 1), ids[1:]]
             np.testing.assert_allclose(scores[row, columns[1:]], alone, atol=1e-5)
             assert scores[row, columns[0]] == 0  # a chain's first id has no prefix
