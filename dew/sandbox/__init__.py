@@ -1,0 +1,5 @@
+"""Sandboxed execution: programs, limits, runners, the fleet, SubprocessEnvironment and verifiable rewards."""
+
+from dew.sandbox.program import Outcome, Program, SandboxLimits, Verdict
+
+__all__ = ["Outcome", "Program", "SandboxLimits", "Verdict"]
