@@ -121,3 +121,23 @@ def test_packed_log_probs_score_each_chain_against_its_own_prefix(decoder):
             alone = jax.nn.log_softmax(logits[0], axis=-1)[np.arange(len(ids) - 1), ids[1:]]
             np.testing.assert_allclose(scores[row, columns[1:]], alone, atol=1e-5)
             assert scores[row, columns[0]] == 0  # a chain's first id has no prefix
+
+
+def test_sampling_temperature_scores_over_the_recorded_support(decoder):
+    model, variables, _ = decoder
+    support = [[4, 9, 17], [5, 4, -1], [6, 30, 2]]  # the ids the sampler kept for each sampled id
+    session = Session(Task("x"), 0, 0, 0, [Call([1, 2, 3], [4, 5, 6], [-0.5] * 3, "stop", 0, support=support)],
+                      Status.COMPLETED, reward=1.0)
+    batch = pack([session], WIDTH, support_capacity=12)
+    objective = GRPOObjective(model, seq_len=WIDTH - 1, sampling_temperature=0.7)
+    with_support = np.asarray(jax.jit(objective.packed_log_probs)(variables, batch))
+    plain = {k: v for k, v in batch.items() if not k.startswith("support")}
+    without = np.asarray(jax.jit(objective.packed_log_probs)(variables, plain))
+    logits = np.asarray(jax.jit(model.apply)(variables, jnp.asarray([[1, 2, 3, 4, 5]])))[0] / 0.7
+    for column, (sampled, kept) in enumerate(zip([4, 5, 6], support, strict=True), start=3):
+        row = logits[column - 1]
+        full = row[sampled] - np.log(np.exp(row - row.max()).sum()) - row.max()
+        kept = [i for i in kept if i >= 0]
+        restricted = row[sampled] - np.log(np.exp(row[kept] - row[kept].max()).sum()) - row[kept].max()
+        np.testing.assert_allclose(without[0, column], full, atol=1e-5)
+        np.testing.assert_allclose(with_support[0, column], restricted, atol=1e-5)
