@@ -44,6 +44,28 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(task):
         assert len(result.ids) == request[1]
 
 
+def test_lanes_decode_side_by_side_with_each_request_its_own_tokens(task):
+    requests = [(p, 4 + i, 10 + i) for i, p in enumerate(PROMPTS)] * 2
+    plain = run(Server.from_task(task, slots=4, capacity=32), requests)
+    server = Server.from_task(task, slots=4, capacity=32, lanes=2)
+    numbers = [server.submit(*request) for request in requests]
+    server.cancel(numbers[1])
+    results = {}
+    while server.busy:
+        results.update({f.request: f for f in server.step()})
+    assert results[numbers[1]].finish_reason == "cancelled"
+    for number, expected in zip(numbers, plain, strict=True):
+        if number != numbers[1]:
+            assert results[number].ids == expected.ids
+            np.testing.assert_allclose(results[number].old_log_probs, expected.old_log_probs, atol=1e-5)
+    balanced = Server.from_task(task, slots=4, capacity=32, lanes=2)
+    balanced.submit(PROMPTS[0], 4), balanced.submit(PROMPTS[1], 4)
+    balanced.step()
+    assert [a is not None for a in balanced._active] == [True, False, True, False]  # one request per lane
+    with pytest.raises(ValueError, match="lanes must be a positive integer that divides slots=4"):
+        Server.from_task(task, slots=4, capacity=32, lanes=3)
+
+
 def test_eos_cancel_and_bad_requests_leave_other_slots_alone(task):
     first = run(Server.from_task(task, slots=1, capacity=32), [(PROMPTS[0], 8, 1)])[0]
     long_alone = run(Server.from_task(task, slots=1, capacity=32), [(PROMPTS[1], 20, 2)])[0]
