@@ -1,7 +1,24 @@
 """Sandboxed execution: programs, limits, runners, the fleet, SubprocessEnvironment and verifiable rewards."""
 
 from dew.sandbox.environment import SubprocessEnvironment, WorkerEnvironment
+from dew.sandbox.fleet import SandboxFleet
 from dew.sandbox.program import Outcome, Program, SandboxLimits, Verdict
 from dew.sandbox.rewards import CodeReward, MathReward
+from dew.sandbox.runners import BwrapRunner, ContainerRunner, ProcessRunner, Runner, default_runner
 
-__all__ = ["CodeReward", "MathReward", "Outcome", "Program", "SandboxLimits", "SubprocessEnvironment", "Verdict", "WorkerEnvironment"]
+__all__ = [
+    "BwrapRunner",
+    "CodeReward",
+    "ContainerRunner",
+    "default_runner",
+    "MathReward",
+    "Outcome",
+    "ProcessRunner",
+    "Program",
+    "Runner",
+    "SandboxFleet",
+    "SandboxLimits",
+    "SubprocessEnvironment",
+    "Verdict",
+    "WorkerEnvironment",
+]

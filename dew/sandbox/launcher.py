@@ -33,14 +33,18 @@ def _tool(name: str) -> str:
     return path
 
 
-def limit_argv(limits: SandboxLimits) -> list[str]:
-    """The wrapper commands that apply ``limits`` and then exec the program."""
+def rlimit_argv(limits: SandboxLimits) -> list[str]:
+    """``prlimit`` setting RLIMIT_CPU (SIGXCPU at the limit, SIGKILL a second later), RLIMIT_AS, RLIMIT_NPROC, no core."""
     cpu = max(1, math.ceil(limits.cpu_seconds))
     return [
-        _tool("setpriv"), "--pdeathsig", "KILL", "--",
         _tool("prlimit"), f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_bytes}", "--core=0",
         f"--nproc={limits.processes}", "--",
     ]
+
+
+def limit_argv(limits: SandboxLimits) -> list[str]:
+    """The wrapper commands that apply ``limits`` and then exec the program."""
+    return [_tool("setpriv"), "--pdeathsig", "KILL", "--", *rlimit_argv(limits)]
 
 
 def minimal_environment(cwd: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
