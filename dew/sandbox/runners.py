@@ -333,6 +333,9 @@ def default_runner() -> BwrapRunner:
 class ContainerRunner(CapturingRunner):
     """A fresh container per program through ``runtime`` (docker or podman); the image must already be present.
 
+    The runtime CLI's rusage does not cover the container, so a SIGKILL the runner did not
+    send (usually the memory cgroup's OOM kill) is CRASHED; SIGXCPU is still TIMEOUT.
+
     cpu_shares: the container's relative CPU weight (``--cpu-shares``).
     scratch_bytes: size of the writable tmpfs at /tmp (HOME and TMPDIR).
     """
