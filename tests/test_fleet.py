@@ -296,10 +296,15 @@ def test_parent_death_leaves_no_orphans(runner):
         while len([pid for pid in marked() if _argv0(pid) == "python3"]) < programs and time.monotonic() < end:
             time.sleep(0.05)
         assert len([pid for pid in marked() if _argv0(pid) == "python3"]) == programs, "the programs never started"
+        directories = {os.readlink(f"/proc/{pid}/cwd") for pid in marked()} - {"/work"}  # bwrap's, or the programs'
     finally:
         parent.kill()
         parent.wait()
     assert gone(marker)
+    # A parent killed outright cannot remove its job directories; that is left to whoever cleans the temp dir.
+    assert len(directories) == 2 and all(os.path.basename(d).startswith("dew-job-") for d in directories)
+    for directory in directories:
+        shutil.rmtree(directory)
 
 
 def _argv0(pid: int) -> str:

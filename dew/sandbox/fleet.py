@@ -7,6 +7,9 @@ program. A program that fails, times out or crashes is an Outcome like any other
 bad arguments raise, and so does a broken runner (bubblewrap that cannot start a
 sandbox, say), since scoring that as a failed program would hide it.
 
+Programs die with the fleet's process (see the runners), but a process killed outright
+cannot remove their job directories (``dew-job-*`` in the temporary directory).
+
 Backpressure: the fleet holds at most ``workers`` running programs and ``queued``
 waiting ones (2 * workers by default); ``submit`` blocks until one finishes rather than
 queueing without bound.
