@@ -210,7 +210,7 @@ def test_writes_outside_the_job_directory(runner, tmp_path):
     host_file = tmp_path / "escape.txt"
     code = """
         import os, sys
-        for path in (sys.argv[1], "inside.txt", "/tmp/scratch.txt"):
+        for path in (sys.argv[1], "inside.txt", "/tmp/scratch.txt", sys.argv[2]):
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 with open(path, "w") as handle:
@@ -219,12 +219,16 @@ def test_writes_outside_the_job_directory(runner, tmp_path):
             except OSError as error:
                 print(type(error).__name__)
     """
-    outcome = run(runner, python(code, str(host_file)))
-    host, job, scratch = outcome.stdout.split()
+    # a system path only where the runner must refuse it; ProcessRunner writes wherever you can
+    system_file = "/etc/dew-escape.txt" if isinstance(runner, BwrapRunner) else str(tmp_path / "other.txt")
+    outcome = run(runner, python(code, str(host_file), system_file))
+    host, job, scratch, system = outcome.stdout.split()
     if isinstance(runner, BwrapRunner):
         assert not host_file.exists()  # only the sandbox's private /tmp saw it
         assert job in ("OSError", "PermissionError")  # /work is read-only (EROFS)
         assert scratch == "wrote"
+        assert system in ("OSError", "PermissionError")  # the sandbox's root is read-only too
+        assert not os.path.exists("/etc/dew-escape.txt")
     else:
         assert host_file.read_text() == "x" and (host, job) == ("wrote", "wrote")  # your filesystem, as documented
 

@@ -29,7 +29,8 @@ What each runner isolates:
   its loopback included, can be reached; a root made of read-only system directories
   (``/usr`` and its links, a few ``/etc`` files), the job directory read-only at
   ``/work`` (the working directory), a private size-capped tmpfs at ``/tmp`` (HOME and
-  TMPDIR), a fresh ``/proc`` and minimal ``/dev``; no capabilities, no new user
+  TMPDIR), a fresh ``/proc`` and minimal ``/dev``, and the sandbox's own root remounted
+  read-only, so ``/tmp`` is the only writable place; no capabilities, no new user
   namespaces inside, ``--die-with-parent``. When the caller is root it first drops to
   uid/gid 65534 (``setpriv``), because the kernel does not apply RLIMIT_NPROC to root;
   RLIMIT_NPROC is set inside the sandbox's own user namespace, so the count is per
@@ -302,7 +303,7 @@ class BwrapRunner(CapturingRunner):
             "--as-pid-1",
             "--cap-drop", "ALL", "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox",
             *mounts, "--ro-bind", directory, "/work", "--size", str(self.scratch_bytes), "--tmpfs", "/tmp",
-            "--proc", "/proc", "--dev", "/dev", "--chdir", "/work", "--clearenv", *environment, "--",
+            "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--chdir", "/work", "--clearenv", *environment, "--",
             self.reaper, "0", *rlimit_argv(limits), *program.argv,
         ]
 
