@@ -2,7 +2,7 @@
 
 Loads the checkpoint dew exported (Pretrained.save), then for each concurrency samples
 128 new tokens (top-k 50, no EOS stop) for that many left-padded prompts in one
-generate call, after one warm-up call, on 2 threads. Prints {"<concurrency>": tokens
+generate call, after one warm-up call, on 2 threads, in float32 or (4th argument) bfloat16. Prints {"<concurrency>": tokens
 per second, ..., "transformers": version} as JSON.
 """
 
@@ -15,9 +15,9 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 
-def main(directory: str, prompts_file: str, new_tokens: int) -> None:
+def main(directory: str, prompts_file: str, new_tokens: int, precision: str = "float32") -> None:
     torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, precision)).eval()
     prompts = json.loads(open(prompts_file).read())
     results = {"transformers": transformers.__version__}
     for concurrency, rows in prompts.items():
@@ -38,4 +38,4 @@ def main(directory: str, prompts_file: str, new_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])

@@ -10,7 +10,10 @@ are read once per step for every active request.
 Request randomness depends only on its seed: token ``t`` draws with
 ``fold_in(key(seed), t)``, so a request samples the same tokens alone or beside others.
 ``reload(variables)`` swaps in new weights between two steps, cast to the served dtype
-(train in float32, serve in bfloat16). ``Server.from_task(task, slots=, capacity=)``
+(train in float32, serve in bfloat16). Serving in bfloat16 also runs the decoder's
+weight products on bfloat16 operands with float32 accumulation (``matmul_dtype``),
+about twice as fast as float32 products on CPUs with AVX512-BF16; norms, rotary,
+attention and sampling stay in float32. ``Server.from_task(task, slots=, capacity=)``
 builds one from a :class:`ServingTask`.
 
 ``lanes`` splits the slots into that many equal groups, each with its own cache, whose
@@ -104,6 +107,12 @@ def _decode(model, variables, cache, last, keys, steps, budgets, active, samplin
     return cache, last, drawn.ids, drawn.old_log_probs, drawn.behavior_log_probs, ended
 
 
+def _rows(values: np.ndarray, rows: int) -> jax.Array:
+    """``values`` with inert zero rows appended up to ``rows``."""
+    padding = [(0, rows - len(values))] + [(0, 0)] * (values.ndim - 1)
+    return jnp.asarray(np.pad(values, padding))
+
+
 class Server:
     """A fixed number of ``slots``, each a cache row of ``capacity`` positions (see the module docstring)."""
 
@@ -118,13 +127,18 @@ class Server:
             raise ValueError(f"lanes must be a positive integer that divides slots={slots}, got {lanes!r}")
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}")
+        if jnp.dtype(dtype) != jnp.float32 and getattr(model, "matmul_dtype", jnp.float32) is None:
+            model = model.clone(matmul_dtype=dtype)  # serve in the served precision: products on its operands
         self.model, self.sampling, self.slots, self.capacity, self.dtype = model, sampling, slots, capacity, dtype
         self.lanes = lanes
         self.variables = cast_floating(variables, dtype)
         width = slots // lanes
         self._lane_slots = [slice(lane * width, (lane + 1) * width) for lane in range(lanes)]
-        self._caches = [init_cache(model, width, capacity) for _ in range(lanes)]
-        self._lasts = [jnp.zeros((width, model.vocab_size), jnp.float32) for _ in range(lanes)]
+        # A lane computes at least two rows: XLA's CPU products take a slow path for a single row
+        # (with bfloat16 weights it even converts every weight to float32 each step); a spare row is nearly free.
+        self._rows = max(2, width)
+        self._caches = [init_cache(model, self._rows, capacity) for _ in range(lanes)]
+        self._lasts = [jnp.zeros((self._rows, model.vocab_size), jnp.float32) for _ in range(lanes)]
         self._pool = ThreadPoolExecutor(lanes, thread_name_prefix="dew-lane") if lanes > 1 else None
         self._keys = np.zeros((slots, *jax.random.key_data(jax.random.key(0)).shape), np.uint32)
         self._steps = np.zeros(slots, np.int32)
@@ -201,11 +215,13 @@ class Server:
     def _decode_lane(self, lane: int, active: np.ndarray):
         """One decode step of a lane's slots; returns their ids, raw and behaviour log-probs and EOS flags."""
         span = self._lane_slots[lane]
+        rows = self._rows
         self._caches[lane], self._lasts[lane], ids, old, behavior, ended = _decode(
-            self.model, self.variables, self._caches[lane], self._lasts[lane], jnp.asarray(self._keys[span]),
-            jnp.asarray(self._steps[span]), jnp.asarray(self._budgets[span]), jnp.asarray(active[span]), self.sampling,
+            self.model, self.variables, self._caches[lane], self._lasts[lane], _rows(self._keys[span], rows),
+            _rows(self._steps[span], rows), _rows(self._budgets[span], rows), _rows(active[span], rows), self.sampling,
         )
-        return jax.device_get((ids, old, behavior, ended))
+        width = span.stop - span.start
+        return tuple(x[:width] for x in jax.device_get((ids, old, behavior, ended)))
 
     def _lane_room(self, slot: int) -> tuple[int, int]:
         span = self._lane_slots[slot // (self.slots // self.lanes)]
@@ -259,6 +275,6 @@ class Server:
         for lane, span in enumerate(self._lane_slots):
             if mask[span].any():
                 self._caches[lane], self._lasts[lane] = _prefill(
-                    self.model, self.variables, self._caches[lane], self._lasts[lane], jnp.asarray(tokens[span]),
-                    jnp.asarray(lengths[span]), jnp.asarray(mask[span]),
+                    self.model, self.variables, self._caches[lane], self._lasts[lane], _rows(tokens[span], self._rows),
+                    _rows(lengths[span], self._rows), _rows(mask[span], self._rows),
                 )

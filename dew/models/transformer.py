@@ -16,6 +16,9 @@ One module serves training and generation:
 Options for the families: grouped-query attention (``num_kv_heads``), an explicit
 ``head_dim``, RoPE theta, RMSNorm epsilon, SwiGLU or GELU MLP, Qwen3's QK-norm,
 tied or untied embeddings, attention bias (Qwen2) and a final-logit softcap.
+``matmul_dtype=jnp.bfloat16`` runs the weight products on bfloat16 operands with
+float32 accumulation while norms, rotary, attention and the residual stream stay in the
+compute dtype: the Server serves that way in bfloat16.
 Parameter names follow Hugging Face's module names so checkpoints map one to one.
 """
 
@@ -80,6 +83,28 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
+def weight_product(dtype):
+    """A ``dot_general`` whose operands are cast to ``dtype`` and that accumulates in float32.
+
+    With bfloat16 weights this is the served-precision product: bfloat16 operands (the
+    weights stay as stored; XLA folds the upcast and downcast of the kernel away) with a
+    float32 result, which CPUs with AVX512-BF16 or AMX and GPUs run natively.
+    """
+
+    def dot_general(lhs, rhs, dimension_numbers, precision=None, **_):
+        return jax.lax.dot_general(
+            lhs.astype(dtype), rhs.astype(dtype), dimension_numbers, precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+
+    return dot_general
+
+
+def _dense(features, name, bias, dtype, param_dtype, matmul_dtype):
+    product = None if matmul_dtype is None else weight_product(matmul_dtype)
+    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=param_dtype, dot_general=product, name=name)
+
+
 class Attention(nn.Module):
     num_heads: int
     num_kv_heads: int
@@ -90,12 +115,13 @@ class Attention(nn.Module):
     bias: bool
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    matmul_dtype: jnp.dtype | None = None
 
     @nn.compact
     def __call__(self, x, positions, mask, write=None):
         batch, length, _ = x.shape
-        dense = lambda features, name, bias: nn.Dense(  # noqa: E731
-            features, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        dense = lambda features, name, bias: _dense(  # noqa: E731
+            features, name, bias, self.dtype, self.param_dtype, self.matmul_dtype
         )
         q = dense(self.num_heads * self.head_dim, "q_proj", self.bias)(x)
         k = dense(self.num_kv_heads * self.head_dim, "k_proj", self.bias)(x)
@@ -140,11 +166,12 @@ class MLP(nn.Module):
     activation: str
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    matmul_dtype: jnp.dtype | None = None
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda features, name: nn.Dense(  # noqa: E731
-            features, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+        dense = lambda features, name: _dense(  # noqa: E731
+            features, name, False, self.dtype, self.param_dtype, self.matmul_dtype
         )
         if self.activation == "swiglu":
             hidden = nn.silu(dense(self.features, "gate_proj")(x)) * dense(self.features, "up_proj")(x)
@@ -168,6 +195,7 @@ class LayerOptions:
     mlp_activation: str
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    matmul_dtype: jnp.dtype | None
 
 
 class Block(nn.Module):
@@ -181,10 +209,10 @@ class Block(nn.Module):
         )
         attention = Attention(
             c.num_heads, c.kv_heads, c.head_size, c.rope_theta, c.norm_eps, c.qk_norm,
-            c.attention_bias, c.dtype, c.param_dtype, name="self_attn",
+            c.attention_bias, c.dtype, c.param_dtype, c.matmul_dtype, name="self_attn",
         )
         x = x + attention(norm("input_layernorm")(x), positions, mask, write)
-        mlp = MLP(c.mlp_features, c.mlp_activation, c.dtype, c.param_dtype, name="mlp")
+        mlp = MLP(c.mlp_features, c.mlp_activation, c.dtype, c.param_dtype, c.matmul_dtype, name="mlp")
         return x + mlp(norm("post_attention_layernorm")(x))
 
 
@@ -208,6 +236,7 @@ class CausalTransformer(nn.Module):
     logit_softcap: float | None = None
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    matmul_dtype: jnp.dtype | None = None  # operands of the weight products; None: the compute dtype
 
     @property
     def kv_heads(self) -> int:
@@ -234,17 +263,18 @@ class CausalTransformer(nn.Module):
         options = LayerOptions(
             self.num_heads, self.kv_heads, self.head_size, self.rope_theta, self.norm_eps, self.qk_norm,
             self.attention_bias, self.mlp_features, self.mlp_activation, self.dtype, self.param_dtype,
+            self.matmul_dtype,
         )
         for layer in range(self.num_layers):
             layer_write = None if write is None else functools.partial(write, layer)
             x = Block(options, name=f"layers_{layer}")(x, positions, mask, layer_write)
         x = nn.RMSNorm(epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
-        if self.tie_embeddings:
+        if self.tie_embeddings and self.matmul_dtype is None:
             logits = embed.attend(x)
+        elif self.tie_embeddings:
+            logits = weight_product(self.matmul_dtype)(x, embed.embedding, (((x.ndim - 1,), (1,)), ((), ())))
         else:
-            logits = nn.Dense(
-                self.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name="lm_head"
-            )(x)
+            logits = _dense(self.vocab_size, "lm_head", False, self.dtype, self.param_dtype, self.matmul_dtype)(x)
         logits = logits.astype(jnp.float32)
         if self.logit_softcap is not None:
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
