@@ -12,7 +12,7 @@ Request randomness depends only on its seed: token ``t`` draws with
 ``reload(variables)`` swaps in new weights between two steps, cast to the served dtype
 (train in float32, serve in bfloat16). Serving in bfloat16 also runs the decoder's
 weight products on bfloat16 operands with float32 accumulation (``matmul_dtype``),
-about twice as fast as float32 products on CPUs with AVX512-BF16; norms, rotary,
+which CPUs with AVX512-BF16 run about twice as fast as float32 products; norms, rotary,
 attention and sampling stay in float32. ``Server.from_task(task, slots=, capacity=)``
 builds one from a :class:`ServingTask`.
 
