@@ -191,36 +191,3 @@ def test_grpo_raises_the_share_of_rewarded_completions(tiny_model, variables):
     after = share(state.params, 100)
     print(f"share of rewarded completions: {before:.3f} before, {after:.3f} after 30 updates")
     assert after >= before + 0.3, (before, after)
-
-
-def test_draw_sessions_score_and_pack_server_draws(sharp_decoder):
-    from dew.inference import NativeRolloutServer, Server, ServingTask
-    from dew.objectives.rl.rollout import DrawSessions
-    from dew.objectives.rl.sessions import Status, Task, pack
-
-    model, variables = sharp_decoder
-    serving = ServingTask(model, variables, Sampling(eos_id=3, temperature=1.0, top_k=8))
-
-    def reward(data_source, completion, ground_truth, extra_info):
-        if ground_truth == "broken":
-            raise RuntimeError("verifier down")
-        return float(len(completion.split()))
-
-    with NativeRolloutServer(Server.from_task(serving, slots=4, capacity=48), version=2) as server:
-        source = DrawSessions(server, reward, max_new_tokens=12, eos_ids=(3,))
-        task = Task("t1", {"prompt_ids": [5, 6, 7], "ground_truth": "x"})
-        sessions = [f.result(timeout=60) for f in source.submit(task, group=0, samples=4)]
-        again = [f.result(timeout=60) for f in source.submit(task, group=0, samples=4)]
-        broken = source.submit(Task("t2", {"prompt_ids": [5, 6], "ground_truth": "broken"}), 0, 1)[0].result(60)
-    assert [s.sample for s in sessions] == [0, 1, 2, 3]
-    assert [s.calls[0].sampled_ids for s in sessions] == [s.calls[0].sampled_ids for s in again]  # seeded per sample
-    for s in sessions:
-        draw = s.calls[0]
-        stopped = draw.sampled_ids[-1] == 3
-        assert s.status == (Status.COMPLETED if stopped else Status.TRUNCATED) and draw.version == 2
-        assert s.reward == len(draw.sampled_ids) - stopped  # EOS left out of the reward's text
-    assert broken.status is Status.INFRA_ERROR and "verifier down" in broken.detail
-    batch = pack(sessions + [broken], width=16, truncation="score")
-    assert batch["input_ids"].shape[0] >= 1 and set(np.unique(batch["session_index"])) == {-1, 0, 1, 2, 3}
-    with pytest.raises(KeyError, match="no 'prompt_ids'"):
-        source.submit(Task("t3", {}), 0, 1)

@@ -86,6 +86,7 @@ class NativeRolloutServer(RolloutServer):
         self._version = version
         self._lock = threading.Lock()
         self._commands: queue.Queue = queue.Queue()
+        self._cancels: queue.Queue = queue.Queue()  # the thread holds the lock while it steps; a cancel must not wait
         self._futures: dict[int, tuple[Future, int]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -107,8 +108,7 @@ class NativeRolloutServer(RolloutServer):
         return future
 
     def cancel(self, draw: DrawFuture) -> None:
-        with self._lock:
-            self.server.cancel(draw.request)
+        self._cancels.put(draw.request)
         self._wake.set()
 
     def load(self, variables, version: int) -> None:
@@ -144,6 +144,8 @@ class NativeRolloutServer(RolloutServer):
                     self._version = version
                     done.set()
                 with self._lock:
+                    while not self._cancels.empty():
+                        self.server.cancel(self._cancels.get())
                     busy = self.server.busy
                     finished = self.server.step() if busy else []
                     resolved = [(self._futures.pop(f.request), f) for f in finished]

@@ -1,7 +1,7 @@
 r"""Verifiable rewards with dew's reward signature: ``MathReward`` and ``CodeReward``.
 
 Both are called as ``reward(data_source, completion, ground_truth, extra_info) -> float``
-(what :class:`~dew.objectives.rl.SampledRollout` and ``DrawSessions`` call), keep no state
+(what :class:`~dew.objectives.rl.SampledRollout` and :class:`~dew.objectives.rl.PromptSource` call), keep no state
 between calls and may be called from several threads at once.
 
 ``MathReward`` reads the last ``\boxed{...}`` answer and compares it with the reference

@@ -3,5 +3,6 @@
 from dew.objectives.rl.dpo import DPOObjective
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.rollout import SampledRollout
+from dew.objectives.rl.sources import EnvironmentSource, PromptSource
 
-__all__ = ["DPOObjective", "GRPOObjective", "SampledRollout"]
+__all__ = ["DPOObjective", "EnvironmentSource", "GRPOObjective", "PromptSource", "SampledRollout"]

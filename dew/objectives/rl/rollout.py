@@ -20,26 +20,22 @@ prompt row; nothing trains on a partial group.
 ``metrics`` holds the last batch's ``reward/mean``, ``reward/share_positive``,
 ``response/length`` and ``response/eos_share``.
 
-``DrawSessions(server, reward, max_new_tokens)`` is the same single-turn recipe as a
-:class:`~dew.objectives.rl.sessions.SessionSource` over any
-:class:`~dew.inference.RolloutServer`: each sample of a task is one draw, scored when
-it finishes, so schedulers can keep many in flight and pack whatever has finished.
+For the same recipe over any :class:`~dew.inference.RolloutServer`, as a
+:class:`~dew.objectives.rl.sessions.SessionSource` whose draws are scored on a thread
+pool as each finishes, see :class:`~dew.objectives.rl.sources.PromptSource`.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 
 import jax
 import numpy as np
 
 from dew.data.prompts import METADATA, utf8_text
 from dew.inference.generation import TextGeneration
-from dew.inference.rollout import Draw, RolloutServer
-from dew.objectives.rl.sessions import ESTIMATORS, Call, Session, SessionSource, Status, Task, pack
+from dew.objectives.rl.sessions import ESTIMATORS, Call, Session, Status, Task, pack
 from dew.sampling import Sampling
 
 
@@ -174,75 +170,3 @@ class SampledRollout:
             except (UnicodeDecodeError, ValueError) as error:
                 raise ValueError(f"prompt row {row}: {field} is not valid UTF-8 bytes ({error})") from error
         return texts
-
-
-class DrawSessions(SessionSource):
-    """One-draw sessions from a :class:`RolloutServer`, scored by a reward function.
-
-    A task's ``data`` holds ``prompt_ids`` and optionally the reward fields
-    ``data_source``, ``ground_truth`` and ``extra_info`` (strings). Sample ``s`` of
-    ``group`` draws with a seed fixed by (task id, group, sample). A draw that stopped on
-    EOS becomes a COMPLETED session, one that spent its budget TRUNCATED, a cancelled
-    one CANCELLED; a failed draw or a reward that raises or returns a non-finite value
-    becomes INFRA_ERROR with the reason in ``detail``, so one failure never loses the
-    other samples. ``eos_ids`` are left out of the reward's text.
-    """
-
-    def __init__(
-        self,
-        server: RolloutServer,
-        reward: Callable[[str, str, str, str], float],
-        max_new_tokens: int,
-        decode: Callable[[list[int]], str] | None = None,
-        eos_ids: Sequence[int] = (),
-    ):
-        if not isinstance(server, RolloutServer):
-            raise TypeError(f"server must be a dew.inference.RolloutServer, got {type(server).__name__}")
-        if not callable(reward):
-            raise TypeError(f"reward must be callable, got {reward!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        self.server, self.reward, self.max_new_tokens = server, reward, max_new_tokens
-        self.decode = decode or token_text
-        self.eos_ids = frozenset(int(i) for i in eos_ids)
-
-    def submit(self, task: Task, group: int, samples: int) -> list[Future]:
-        if "prompt_ids" not in task.data:
-            raise KeyError(f"task {task.id!r} has no 'prompt_ids' in its data; it has {sorted(task.data)}")
-        prompt = [int(i) for i in task.data["prompt_ids"]]
-        futures = []
-        for sample in range(samples):
-            seed = zlib.crc32(f"{task.id}/{group}/{sample}".encode())
-            draw = self.server.submit(prompt, self.max_new_tokens, seed=seed)
-            session: Future = Future()
-            draw.add_done_callback(lambda done, out=session, s=sample: self._finish(task, group, s, prompt, done, out))
-            futures.append(session)
-        return futures
-
-    def _finish(self, task: Task, group: int, sample: int, prompt: list[int], done: Future, out: Future) -> None:
-        session = Session(task=task, group=group, sample=sample, attempt=0, calls=[], status=Status.INFRA_ERROR)
-        try:
-            draw: Draw = done.result()
-        except Exception as error:  # the engine failed: the session says so and trains on nothing
-            session.detail = f"draw failed: {error!r}"
-            out.set_result(session)
-            return
-        session.calls = [Call(prompt_ids=prompt, sampled_ids=draw.ids, behavior_log_probs=draw.behavior_log_probs,
-                              old_log_probs=draw.old_log_probs, finish_reason=draw.finish_reason, version=draw.version)]
-        if draw.finish_reason == "cancelled":
-            session.status = Status.CANCELLED
-            out.set_result(session)
-            return
-        ids = draw.ids[:-1] if draw.eos and draw.ids and draw.ids[-1] in self.eos_ids else draw.ids
-        fields = [str(task.data.get(name, "")) for name in METADATA]
-        try:
-            score = self.reward(fields[0], self.decode(list(ids)), fields[1], fields[2])
-            if isinstance(score, bool) or not isinstance(score, (int, float, np.number)) or not math.isfinite(score):
-                raise ValueError(f"the reward returned {score!r}; it must return a finite float")
-        except Exception as error:
-            session.detail = f"scoring failed: {error!r}"
-            out.set_result(session)
-            return
-        session.status = Status.COMPLETED if draw.eos else Status.TRUNCATED
-        session.reward = float(score)
-        out.set_result(session)
