@@ -141,23 +141,27 @@ def test_admission_by_status(objective, variables, truncation, trained, resubmit
     objective.validate(batch)
 
 
-def test_relabelling_and_proximal_rescoring(objective, variables):
-    seen = []
+def spy_admitted(scheduler):
+    """A list that fills with the relabelled sessions the scheduler admits."""
+    seen, collect = [], scheduler._collect
 
+    def spy(*args):
+        admitted, cut = collect(*args)
+        seen.extend(s for group in admitted for s, _ in group.admitted)
+        return admitted, cut
+
+    scheduler._collect = spy
+    return seen
+
+
+def test_relabelling_and_proximal_rescoring(objective, variables):
     def plan(task, group, n):
         if n == 1:
             return session(task, group, Status.INFRA_ERROR, None)
         return session(task, group, Status.COMPLETED, float(n))
 
     scheduler, source, records = make(objective, plan, groups=2)
-    original = scheduler._collect
-
-    def spy(entry, version, causes, stats):
-        admitted, cut = original(entry, version, causes, stats)
-        seen.extend(s for g in admitted for s, _ in g.admitted)
-        return admitted, cut
-
-    scheduler._collect = spy
+    seen = spy_admitted(scheduler)
     batch = scheduler(ids_batch(5, 6), variables, 0, None)
     # Task 5 draws samples 0 (n=0) and 1 (n=1 fails, n=2 replaces it); task 6 (its own count) the same.
     labels = sorted((s.task.id, s.group, s.sample, s.attempt, s.reward) for s in seen)
@@ -237,15 +241,11 @@ def test_timeout_cancels_and_resubmits_as_a_failed_attempt(objective, variables)
 
 
 def test_oversample_admits_the_first_to_finish(objective, variables):
-    seen = []
-
     def plan(task, group, n):
         return None if n < 2 else session(task, group, Status.COMPLETED, float(n))
 
     scheduler, source, records = make(objective, plan, groups=2, oversample=2)
-    original = scheduler._collect
-    scheduler._collect = lambda *a: (lambda out: (seen.extend(s for g in out[0] for s, _ in g.admitted), out)[1])(
-        original(*a))
+    seen = spy_admitted(scheduler)
     scheduler(ids_batch(1), variables, 0, None)
     assert sorted(s.sample for s in seen) == [2, 3]  # samples 0 and 1 were still running
     assert records[0].cancellations == 2 and len(source.cancelled) == 2

@@ -133,7 +133,8 @@ class SchedulerRecord:
     admitted rollouts (None without any); resubmissions: count by cause ("infra_error",
     "cancelled", "unscored_truncation", "stale", "stale_running", "timeout");
     cancellations: futures cancelled (timeouts, staleness, oversample extras, admit,
-    abandonment); waited: seconds spent waiting on rollouts; metrics: ``session_metrics``.
+    abandonment); waited: seconds spent waiting on rollouts; pushed: whether this call
+    pushed weights; metrics: ``session_metrics`` over the admitted rollouts and their batch.
     """
 
     version: int
@@ -300,12 +301,7 @@ class RolloutScheduler:
         return True
 
     def _cancel_batch(self, entry: _Batch) -> int:
-        count = 0
-        for group in entry.groups:
-            for slot in group.slots:
-                count += self._cancel(slot.future)
-                slot.future = None
-        return count
+        return sum(self._close_group(group) for group in entry.groups)
 
     def _watch(self, future: Future) -> Future:
         future.add_done_callback(lambda f: self._finished.setdefault(f, time.monotonic()))
