@@ -422,3 +422,20 @@ def test_end_to_end_with_the_trainer(sharp_decoder):
     assert all(r.admitted_groups == 2 and r.lag is not None and r.lag <= 1 for r in records)
     assert records[1].oldest_version == 0  # batch 1 went out ahead under version 0, trained at version 1
     assert all("latency/p50" in r.metrics for r in records)
+
+
+def test_reopening_the_stream_cancels_what_the_old_one_left_running(objective, variables):
+    scheduler, source, _ = make(objective, lambda task, group, n: None, ahead=1)
+    data = scheduler.tasks(Dataset(train=lambda partition: (ids_batch(i) for i in itertools.count())))
+    stream = data.train(None)
+    first = next(stream)
+    scheduler._submit_batch(scheduler._take(first))  # batch 0 running, as if its call were under way
+    scheduler._submit_batch(scheduler._queue[0])  # batch 1 running ahead
+    data.train(None)  # a restart opens the stream again
+    assert len(source.cancelled) == 2 and len(scheduler._queue) == 0  # only the queued batch 1 was still owned
+    with pytest.raises(KeyError, match="needs a 'task_id' field"):
+        task_ids({"prompt": np.zeros((1, 2), np.int32)})
+    with pytest.raises(ValueError, match="prompt_length 3 of row 0 must lie in"):
+        prompt_tasks({"prompt": np.zeros((1, 2), np.int32), "prompt_length": np.array([3])})
+    with pytest.raises(KeyError, match="neither 'task_id' nor 'prompt'"):
+        scheduler({"x": np.zeros(1)}, variables, 0, None)
