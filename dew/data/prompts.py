@@ -75,6 +75,39 @@ def utf8_text(row: np.ndarray) -> str:
     return data.rstrip(b"\x00").decode("utf-8")
 
 
+def prompt_rows(batch: Mapping[str, np.ndarray], owner: str) -> list[list[int]]:
+    """The real ids of each row of a Prompts batch (``prompt`` left-padded, ``prompt_length``)."""
+    for field in ("prompt", "prompt_length"):
+        if field not in batch:
+            raise KeyError(f"{owner} needs a Prompts batch with {field!r}; the batch has {sorted(batch)}")
+    prompt = np.asarray(batch["prompt"])
+    lengths = np.asarray(batch["prompt_length"])
+    if prompt.ndim != 2 or lengths.shape != prompt.shape[:1]:
+        raise ValueError(f"prompt must be [B, P] with prompt_length [B], got {prompt.shape} and {lengths.shape}")
+    rows = []
+    for row, length in enumerate(int(n) for n in lengths):
+        if not 0 < length <= prompt.shape[1]:
+            raise ValueError(f"prompt_length {length} of row {row} must lie in [1, {prompt.shape[1]}]")
+        rows.append([int(i) for i in prompt[row, prompt.shape[1] - length:]])
+    return rows
+
+
+def metadata_texts(batch: Mapping[str, np.ndarray], field: str, rows: int) -> list[str]:
+    """A reward field of a Prompts batch as one string per row ('' for every row when absent)."""
+    if field not in batch:
+        return [""] * rows
+    values = np.asarray(batch[field])
+    if values.ndim != 2 or values.shape[0] != rows:
+        raise ValueError(f"{field} must be a [B, W] UTF-8 byte column with B={rows}, got shape {values.shape}")
+    texts = []
+    for row in range(rows):
+        try:
+            texts.append(utf8_text(values[row]))
+        except (UnicodeDecodeError, ValueError) as error:
+            raise ValueError(f"prompt row {row}: {field} is not valid UTF-8 bytes ({error})") from error
+    return texts
+
+
 class Prompts(PartitionedLoader):
     """Prompts with reward metadata, from records or a Parquet/JSONL file (verl's layout included)."""
 

@@ -33,10 +33,17 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from dew.data.prompts import METADATA, utf8_text
+from dew.data.prompts import METADATA, metadata_texts, prompt_rows
 from dew.inference.generation import TextGeneration
 from dew.objectives.rl.sessions import ESTIMATORS, Call, Session, Status, Task, pack
 from dew.sampling import Sampling
+
+
+def finite_score(name: str, value) -> float:
+    """A reward or verifier result as a float, or a ValueError saying what came back instead."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+        raise ValueError(f"the {name} returned {value!r}; it must return a finite float")
+    return float(value)
 
 
 def token_text(ids: Sequence[int]) -> str:
@@ -81,7 +88,11 @@ class SampledRollout:
         self.metrics: dict[str, float] = {}
 
     def __call__(self, batch, variables, version: int, key: jax.Array) -> dict[str, np.ndarray]:
-        prompts = self._prompts(batch)
+        prompts = prompt_rows(batch, "SampledRollout")
+        vocab = getattr(self.objective.model, "vocab_size", None)
+        for row, ids in enumerate(prompts):
+            if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
+                raise ValueError(f"prompt row {row} holds an id outside the vocabulary [0, {vocab})")
         width = self.objective.seq_len + 1
         longest = max(len(p) for p in prompts)
         if longest + self.max_new_tokens > width:
@@ -92,7 +103,7 @@ class SampledRollout:
             )
         contexts = [prompt for prompt in prompts for _ in range(self.groups)]
         generation = jax.device_get(self.policy.bind(variables)(contexts, self.max_new_tokens, key, self.sampling))
-        metadata = {field: self._texts(batch, field, len(prompts)) for field in METADATA}
+        metadata = {field: metadata_texts(batch, field, len(prompts)) for field in METADATA}
         eos_ids = set(self.sampling.eos_ids)
         sessions = []
         for index, context in enumerate(contexts):
@@ -110,11 +121,10 @@ class SampledRollout:
                                     metadata["extra_info"][row])
             except Exception as error:
                 raise ValueError(f"the reward raised on a completion of prompt row {row} (sample {sample}): {error!r}") from error
-            if isinstance(score, bool) or not isinstance(score, (int, float, np.number)) or not math.isfinite(score):
-                raise ValueError(
-                    f"the reward returned {score!r} for a completion of prompt row {row} (sample {sample}); "
-                    "it must return a finite float"
-                )
+            try:
+                score = finite_score("reward", score)
+            except ValueError as error:
+                raise ValueError(f"{error} (a completion of prompt row {row}, sample {sample})") from None
             call = Call(
                 prompt_ids=context,
                 sampled_ids=ids,
@@ -136,37 +146,3 @@ class SampledRollout:
             "response/eos_share": float(np.mean(generation.eos)),
         }
         return packed
-
-    def _prompts(self, batch) -> list[list[int]]:
-        for field in ("prompt", "prompt_length"):
-            if field not in batch:
-                raise KeyError(f"SampledRollout needs a Prompts batch with {field!r}; the batch has {sorted(batch)}")
-        prompt = np.asarray(batch["prompt"])
-        lengths = np.asarray(batch["prompt_length"])
-        if prompt.ndim != 2 or lengths.shape != prompt.shape[:1]:
-            raise ValueError(f"prompt must be [B, P] with prompt_length [B], got {prompt.shape} and {lengths.shape}")
-        rows = []
-        for row, length in enumerate(lengths):
-            if not 1 <= length <= prompt.shape[1]:
-                raise ValueError(f"prompt row {row} has prompt_length {int(length)}; expected 1..{prompt.shape[1]}")
-            rows.append([int(i) for i in prompt[row, prompt.shape[1] - length:]])  # left-padded
-        vocab = getattr(self.objective.model, "vocab_size", None)
-        for row, ids in enumerate(rows):
-            if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
-                raise ValueError(f"prompt row {row} holds an id outside the vocabulary [0, {vocab})")
-        return rows
-
-    @staticmethod
-    def _texts(batch, field: str, rows: int) -> list[str]:
-        if field not in batch:
-            return [""] * rows
-        values = np.asarray(batch[field])
-        if values.ndim != 2 or values.shape[0] != rows:
-            raise ValueError(f"{field} must be a [B, W] UTF-8 byte column with B={rows}, got shape {values.shape}")
-        texts = []
-        for row in range(rows):
-            try:
-                texts.append(utf8_text(values[row]))
-            except (UnicodeDecodeError, ValueError) as error:
-                raise ValueError(f"prompt row {row}: {field} is not valid UTF-8 bytes ({error})") from error
-        return texts

@@ -47,7 +47,7 @@ import dataclasses
 import logging
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.data.dataset import Batch, Dataset, StreamPosition
-from dew.data.prompts import METADATA, utf8_text
+from dew.data.prompts import METADATA, metadata_texts, prompt_rows
 from dew.objectives.rl.sessions import (
     ESTIMATORS,
     TRUNCATIONS,
@@ -94,20 +94,11 @@ def prompt_tasks(batch: Batch) -> list[Task]:
     Each task's data holds ``prompt_ids`` and the reward fields as strings; its id is a
     checksum of the prompt and its fields (advantages group by the scheduler's group id).
     """
-    for field in ("prompt", "prompt_length"):
-        if field not in batch:
-            raise KeyError(f"prompt_tasks needs a {field!r} field; the batch has {sorted(batch)}")
-    prompt = np.asarray(batch["prompt"])
-    lengths = np.asarray(batch["prompt_length"])
+    rows = prompt_rows(batch, "prompt_tasks")
+    texts = {field: metadata_texts(batch, field, len(rows)) for field in METADATA}
     tasks = []
-    for row in range(prompt.shape[0]):
-        length = int(lengths[row])
-        if not 0 < length <= prompt.shape[1]:
-            raise ValueError(f"prompt_length {length} of row {row} must lie in [1, {prompt.shape[1]}]")
-        ids = [int(i) for i in prompt[row, prompt.shape[1] - length:]]
-        data: dict[str, Any] = {"prompt_ids": ids}
-        for field in METADATA:
-            data[field] = utf8_text(batch[field][row]) if field in batch else ""
+    for row, ids in enumerate(rows):
+        data: dict[str, Any] = {"prompt_ids": ids, **{field: texts[field][row] for field in METADATA}}
         digest = zlib.crc32(repr((ids, [data[f] for f in METADATA])).encode())
         tasks.append(Task(f"prompt-{digest:08x}", data))
     return tasks

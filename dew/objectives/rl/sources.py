@@ -37,14 +37,11 @@ running and shuts the pool down. Sessions are always attempt 0; a scheduler rela
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
-
-import numpy as np
 
 from dew.data.prompts import METADATA
 from dew.inference.rollout import Draw, DrawFuture, RolloutServer
@@ -57,7 +54,7 @@ from dew.objectives.rl.episodes import (
     Observation,
     Transition,
 )
-from dew.objectives.rl.rollout import token_text
+from dew.objectives.rl.rollout import finite_score, token_text
 from dew.objectives.rl.sessions import Call, Session, SessionSource, Status, Task
 
 
@@ -70,12 +67,6 @@ def _positive(name: str, value: Any) -> int:
 def _seed(*parts: Any) -> int:
     """A draw's seed, fixed by the parts it names (task id, group, sample, turn)."""
     return zlib.crc32("/".join(str(p) for p in parts).encode())
-
-
-def _finite(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-        raise ValueError(f"the {name} returned {value!r}; it must return a finite float")
-    return float(value)
 
 
 def _call(prompt: Sequence[int], draw: Draw) -> Call:
@@ -222,7 +213,7 @@ class PromptSource(_PooledSource):
         ids = draw.ids[:-1] if draw.eos and draw.ids and draw.ids[-1] in self.eos_ids else draw.ids
         fields = [str(task.data.get(name, "")) for name in METADATA]
         try:
-            score = _finite("reward", self.reward(fields[0], self.decode(list(ids)), fields[1], fields[2]))
+            score = finite_score("reward", self.reward(fields[0], self.decode(list(ids)), fields[1], fields[2]))
         except Exception as error:
             session.detail = f"scoring failed: {error!r}"
             out.set_result(session)
@@ -345,7 +336,7 @@ class EnvironmentSource(_PooledSource):
         if status not in (Status.COMPLETED, Status.TRUNCATED):
             return status, None, detail
         try:
-            return status, _finite("verifier", self.verifier(task, episode)), detail
+            return status, finite_score("verifier", self.verifier(task, episode)), detail
         except Exception as error:
             return Status.INFRA_ERROR, None, f"the verifier failed: {error!r}"
 
