@@ -155,8 +155,10 @@ class GRPOObjective(Objective):
                 check_integer_field(batch, field, shape, owner)
         check_vocabulary(batch["input_ids"], self.model, owner, "'input_ids' row")
         response = np.asarray(batch["response_mask"]) != 0
-        if response[:, 0].any() or (response & (np.asarray(batch["text_positions"]) == 0)).any():
-            row = int(np.argwhere(response[:, 0] | (response & (np.asarray(batch["text_positions"]) == 0)))[0, 0])
+        unprefixed = response & (np.asarray(batch["text_positions"]) == 0)
+        unprefixed[:, 0] |= response[:, 0]
+        if unprefixed.any():
+            row = int(np.argwhere(unprefixed)[0, 0])
             raise ValueError(f"{owner}: row {row} marks a chain's first id as sampled; a sampled id needs a prefix")
         for field in ("behavior_log_probs", "old_log_probs"):
             if field not in batch:

@@ -102,6 +102,10 @@ class SessionSource(abc.ABC):
 def _check_options(estimator: str, truncation: str) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    _check_truncation(truncation)
+
+
+def _check_truncation(truncation: str) -> None:
     if truncation not in TRUNCATIONS:
         raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
 
@@ -226,7 +230,7 @@ def _trained(sessions: Sequence[Session], truncation: str) -> list[tuple[int, Se
 
 def chain_lengths(sessions: Sequence[Session], width: int, truncation: str = "mask") -> list[int]:
     """The length of every chain ``pack`` would place, in order; raises if one exceeds ``width``."""
-    _check_options("group", truncation)
+    _check_truncation(truncation)
     lengths = []
     for number, session, _ in _trained(sessions, truncation):
         for chain in _chains(session, number):
@@ -424,7 +428,7 @@ def session_metrics(
     ``latency/p50``, ``latency/p90``, ``latency/p99``, ``latency/max``; with the current
     ``version``, ``version_lag/mean`` and ``version_lag/max`` over the batch's sampled ids.
     """
-    _check_options("group", truncation)
+    _check_truncation(truncation)
     metrics: dict[str, float] = {}
     calls = chains = 0
     sampled_total = 0
