@@ -1,0 +1,22 @@
+"""Ray actors over plain dew classes: rollout servers and their clients, sandbox runners."""
+
+from dew_ray.actors.rollout import (
+    RemoteRolloutServer,
+    RolloutServerActor,
+    RolloutServerHost,
+    ServerPool,
+    start_rollout_servers,
+)
+from dew_ray.actors.sandbox import RemoteFleet, SandboxRunnerActor, SandboxRunnerHost, start_sandbox_runners
+
+__all__ = [
+    "RemoteFleet",
+    "RemoteRolloutServer",
+    "RolloutServerActor",
+    "RolloutServerHost",
+    "SandboxRunnerActor",
+    "SandboxRunnerHost",
+    "ServerPool",
+    "start_rollout_servers",
+    "start_sandbox_runners",
+]

@@ -1,0 +1,211 @@
+"""Rollout servers as Ray actors, and the clients sources use to reach them.
+
+``RolloutServerActor`` hosts a :class:`~dew.inference.NativeRolloutServer` (and, if
+asked, its OpenAI-compatible front) in a Ray worker process. It is an async actor: each
+draw waits on the server's future in the actor's event loop, so hundreds of draws can be
+in flight while the server's own thread batches them.
+
+In the trainer process a source talks to it through :class:`RemoteRolloutServer`, which
+implements the :class:`~dew.inference.RolloutServer` interface (submit, cancel, load,
+version) over Ray calls, so PromptSource and EnvironmentSource run unchanged against a
+local server or a remote one. :class:`ServerPool` spreads draws over several servers
+(the one with the fewest draws in flight takes the next) and loads weights into all of
+them with one object-store put (:class:`~dew_ray.weights.WeightBroadcast`). A server
+whose actor dies fails its draws, which the scheduler sees as infrastructure errors and
+submits again; the pool leaves the dead server out from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import ray
+from ray.exceptions import RayActorError
+
+from dew.inference import Draw, DrawFuture, NativeRolloutServer, RolloutServer, Server, ServingTask
+from dew_ray.weights import WeightBroadcast
+
+
+class RolloutServerHost:
+    """A NativeRolloutServer in its own process; ``RolloutServerActor`` is this class as a Ray actor.
+
+    ``http=True`` also starts the OpenAI-compatible front on ``host`` (loopback by
+    default); ``url()`` returns its address.
+    """
+
+    def __init__(self, task: ServingTask, slots: int, capacity: int, lanes: int = 1, version: int = 0,
+                 http: bool = False, tokenizer=None, host: str = "127.0.0.1"):
+        self.rollout = NativeRolloutServer(Server.from_task(task, slots=slots, capacity=capacity, lanes=lanes),
+                                           version=version)
+        self._draws: dict[str, DrawFuture] = {}
+        self._cancelled: set[str] = set()
+        self.front = None
+        if http:
+            from dew.inference.http import OpenAIFront
+
+            self.front = OpenAIFront(self.rollout, tokenizer, host=host)
+
+    async def draw(self, key: str, prompt_ids: Sequence[int], max_new_tokens: int, seed: int) -> Draw:
+        """Submit one draw and wait for it; ``key`` is the caller's name for it (see ``cancel``)."""
+        if key in self._cancelled:  # cancelled before it arrived
+            self._cancelled.discard(key)
+            return Draw([], [], [], eos=False, version=self.rollout.version, finish_reason="cancelled")
+        future = self.rollout.submit(prompt_ids, max_new_tokens, seed)
+        self._draws[key] = future
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            self._draws.pop(key, None)
+
+    async def cancel(self, key: str) -> None:
+        future = self._draws.get(key)
+        if future is None:
+            self._cancelled.add(key)
+        else:
+            self.rollout.cancel(future)
+
+    async def load(self, variables, version: int) -> int:
+        """Serve ``variables`` from the next decode step on; returns the version now served."""
+        await asyncio.get_running_loop().run_in_executor(None, self.rollout.load, variables, version)
+        return self.rollout.version
+
+    async def version(self) -> int:
+        return self.rollout.version
+
+    async def url(self) -> str | None:
+        return None if self.front is None else self.front.url
+
+    async def in_flight(self) -> int:
+        return len(self._draws)
+
+    async def close(self) -> None:
+        if self.front is not None:
+            self.front.close()
+        self.rollout.close()
+
+
+RolloutServerActor = ray.remote(RolloutServerHost)
+
+
+class RemoteRolloutServer(RolloutServer):
+    """The RolloutServer interface over one ``RolloutServerActor`` (see the module docstring)."""
+
+    def __init__(self, actor, name: str = "rollout server", version: int | None = None):
+        self.actor, self.name = actor, name
+        self._broadcast = WeightBroadcast([actor], [name], version=0)
+        self._version = ray.get(actor.version.remote()) if version is None else version
+        self._lock = threading.Lock()
+        self.in_flight = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
+        future = DrawFuture()
+        future.request = uuid.uuid4().hex
+        ref = self.actor.draw.remote(future.request, [int(i) for i in prompt_ids], int(max_new_tokens), int(seed))
+        with self._lock:
+            self.in_flight += 1
+        ref.future().add_done_callback(lambda done: self._settle(future, done))
+        return future
+
+    def _settle(self, future: DrawFuture, done: Future) -> None:
+        with self._lock:
+            self.in_flight -= 1
+        error = done.exception()
+        if error is None:
+            future.set_result(done.result())
+        elif isinstance(error, RayActorError):
+            future.set_exception(RuntimeError(f"{self.name} died during a draw: {error}"))
+        else:
+            future.set_exception(error)
+
+    def cancel(self, draw: DrawFuture) -> None:
+        self.actor.cancel.remote(draw.request)
+
+    def load(self, variables, version: int) -> None:
+        self._broadcast.load(variables, version)
+        self._version = self._broadcast.version
+
+    def alive(self) -> bool:
+        try:
+            ray.get(self.actor.version.remote(), timeout=30)
+        except RayActorError:
+            return False
+        return True
+
+
+class ServerPool(RolloutServer):
+    """Draws spread over several RemoteRolloutServers; weights loaded into all with one put."""
+
+    def __init__(self, servers: Sequence[RemoteRolloutServer]):
+        self.servers = list(servers)
+        if not self.servers:
+            raise ValueError("ServerPool needs at least one server")
+        names = [server.name for server in self.servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"the pool's servers need distinct names (a dead one is found by name), got {names}")
+        self._dead: set[int] = set()
+        self._owner: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._version = min(server.version for server in self.servers)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.servers)) if i not in self._dead]
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
+        with self._lock:
+            live = self.live()
+            if not live:
+                raise RuntimeError(f"every rollout server of the pool has died ({len(self.servers)} started)")
+            index = min(live, key=lambda i: self.servers[i].in_flight)
+        future = self.servers[index].submit(prompt_ids, max_new_tokens, seed)
+        with self._lock:
+            self._owner[future.request] = index
+        future.add_done_callback(lambda done: self._settled(index, done))
+        return future
+
+    def _settled(self, index: int, done: DrawFuture) -> None:
+        with self._lock:
+            self._owner.pop(done.request, None)
+            if done.exception() is not None and not self.servers[index].alive():
+                self._dead.add(index)
+
+    def cancel(self, draw: DrawFuture) -> None:
+        with self._lock:
+            index = self._owner.get(draw.request)
+        if index is not None:
+            self.servers[index].cancel(draw)
+
+    def load(self, variables, version: int) -> None:
+        """Load every live server (one object-store put); servers found dead leave the pool."""
+        live = self.live()
+        broadcast = WeightBroadcast([self.servers[i].actor for i in live], [self.servers[i].name for i in live],
+                                    version=self._version, drop_dead=True)
+        try:
+            broadcast.load(variables, version)
+        finally:
+            with self._lock:
+                self._dead.update(i for i in live if self.servers[i].name in broadcast.dropped)
+        for i in self.live():
+            self.servers[i]._version = broadcast.version
+        self._version = broadcast.version
+
+
+def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: int, lanes: int = 1,
+                          version: int = 0, http: bool = False, num_cpus: float = 1, **options) -> ServerPool:
+    """``count`` RolloutServerActors serving ``task``, behind one :class:`ServerPool`."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive integer, got {count!r}")
+    actors = [RolloutServerActor.options(num_cpus=num_cpus, **options)
+              .remote(task, slots, capacity, lanes=lanes, version=version, http=http) for _ in range(count)]
+    return ServerPool([RemoteRolloutServer(actor, f"rollout server {i}") for i, actor in enumerate(actors)])

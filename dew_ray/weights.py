@@ -1,0 +1,90 @@
+"""Weight broadcast from the trainer to rollout-server actors through Ray's object store.
+
+``WeightBroadcast(actors, names=...)`` is a weights publisher the RolloutScheduler can
+push through (``load(variables, version)`` and ``version``): the trainer's tree is
+copied to host memory once, put in the object store once (``ray.put``), and every actor
+loads that one object (actors on the trainer's node read it from shared memory without a
+copy; others fetch it once per node). Each actor answers with the version it now serves;
+the broadcast's ``version`` moves to ``version`` only when every actor loaded it, and a
+failed or refused load raises in the trainer naming the actor. Actors that loaded before
+one failed keep serving the new weights: the scheduler's next push loads them all again.
+With ``drop_dead=True`` an actor that has died is not a failure: it leaves the broadcast
+(its name is added to ``dropped``) and the others carry on; with none left, ``load`` raises.
+
+An actor here is anything whose ``load.remote(variables, version)`` returns an ObjectRef
+of the version it serves: :class:`dew_ray.actors.RolloutServerActor` is one. Publishers
+for vLLM/SGLang replicas (safetensors reload, NCCL) plug in beside this one with the same
+``load``/``version`` interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+
+def host_tree(variables):
+    """``variables`` as numpy arrays in host memory (device arrays copied once)."""
+    return jax.tree.map(np.asarray, jax.device_get(variables))
+
+
+def describe(error: BaseException) -> str:
+    """The error an actor raised, without Ray's remote traceback around it."""
+    if isinstance(error, RayTaskError) and error.cause is not None:
+        error = error.cause
+    return f"{type(error).__name__}: {error}"
+
+
+class WeightBroadcast:
+    """Versioned weight publication to Ray actors (see the module docstring)."""
+
+    def __init__(self, actors: Sequence, names: Sequence[str] | None = None, version: int = 0, timeout: float = 600.0,
+                 drop_dead: bool = False):
+        actors = list(actors)
+        if not actors:
+            raise ValueError("WeightBroadcast needs at least one actor to publish to")
+        names = list(names) if names is not None else [f"rollout server {i}" for i in range(len(actors))]
+        if len(names) != len(actors):
+            raise ValueError(f"got {len(names)} names for {len(actors)} actors")
+        self.actors, self.names, self.timeout, self.drop_dead = actors, names, timeout, drop_dead
+        self.dropped: list[str] = []
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def load(self, variables, version: int) -> None:
+        """Put ``variables`` once and load it into every actor; raises naming the first actor that failed."""
+        version = int(version)
+        tree = ray.put(host_tree(variables))
+        pending = [(name, actor.load.remote(tree, version)) for name, actor in zip(self.names, self.actors)]
+        failures, dead = [], []
+        for index, (name, ref) in enumerate(pending):
+            try:
+                served = ray.get(ref, timeout=self.timeout)
+            except RayActorError as error:
+                (dead if self.drop_dead else failures).append((index, name, error))
+                continue
+            except Exception as error:  # noqa: BLE001 - every actor's outcome is collected before raising
+                failures.append((index, name, error))
+                continue
+            if served != version:
+                failures.append((index, name, RuntimeError(f"it serves version {served} after the load")))
+        for index, name, _ in reversed(dead):
+            del self.actors[index], self.names[index]
+            self.dropped.append(name)
+        if not self.actors:
+            raise RuntimeError(f"publishing version {version} failed: every actor has died ({', '.join(self.dropped)})")
+        if failures:
+            _, name, error = failures[0]
+            others = f" (and {len(failures) - 1} more actor(s))" if len(failures) > 1 else ""
+            raise RuntimeError(
+                f"publishing version {version} failed on {name}{others}: {describe(error)}; "
+                f"the broadcast stays at version {self._version}"
+            ) from error
+        self._version = version

@@ -1,0 +1,198 @@
+"""dew_ray actors on a local Ray cluster: rollout servers, weight broadcast, sandbox runners, fault tolerance."""
+
+import itertools
+import os
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from dew import Dataset, Trainer  # noqa: E402
+from dew.data.prompts import utf8_column  # noqa: E402
+from dew.inference import NativeRolloutServer, Server, ServingTask  # noqa: E402
+from dew.objectives.rl import GRPOObjective, PromptSource  # noqa: E402
+from dew.objectives.rl.scheduler import RolloutScheduler, prompt_tasks  # noqa: E402
+from dew.sampling import Sampling  # noqa: E402
+from dew.sandbox import CodeReward, ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict  # noqa: E402
+from dew_ray.actors import (  # noqa: E402
+    RemoteFleet,
+    RemoteRolloutServer,
+    RolloutServerActor,
+    start_rollout_servers,
+    start_sandbox_runners,
+)
+from dew_ray.weights import WeightBroadcast  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+EOS = tuple(range(16))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serving(sharp_decoder):
+    model, variables = sharp_decoder
+    return ServingTask(model, variables, Sampling(eos_id=EOS, temperature=1.0, top_k=8))
+
+
+@pytest.fixture(scope="module")
+def endless(sharp_decoder):
+    """No EOS: every draw runs to its budget unless cancelled."""
+    model, variables = sharp_decoder
+    return ServingTask(model, variables, Sampling(temperature=1.0, top_k=8))
+
+
+def test_a_remote_server_draws_what_the_local_one_draws(cluster, serving, endless, sharp_decoder):
+    prompts = [([20, 21, 22], 11), ([23, 24], 12), ([25], 13)]
+    with NativeRolloutServer(Server.from_task(serving, slots=4, capacity=64), version=3) as local:
+        want = [local.submit(p, 8, seed=s).result(60) for p, s in prompts]
+    actor = RolloutServerActor.options(num_cpus=0.5).remote(serving, 4, 64, version=3)
+    remote = RemoteRolloutServer(actor, "server A")
+    got = [remote.submit(p, 8, seed=s).result(120) for p, s in prompts]
+    assert [d.ids for d in got] == [d.ids for d in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.behavior_log_probs, w.behavior_log_probs, atol=1e-6)
+        np.testing.assert_allclose(g.old_log_probs, w.old_log_probs, atol=1e-6)
+        assert g.version == 3 and g.eos == w.eos
+
+    remote.load(sharp_decoder[1], version=4)  # one put, the actor serves version 4 from the next step
+    assert remote.version == 4 and ray.get(actor.version.remote()) == 4
+    assert remote.submit([20, 21], 4, seed=1).result(60).version == 4
+
+    long = RolloutServerActor.options(num_cpus=0.5).remote(endless, 2, 64)
+    slow = RemoteRolloutServer(long, "server B")
+    draw = slow.submit([20, 21], 60, seed=0)
+    time.sleep(0.5)
+    slow.cancel(draw)
+    stopped = draw.result(60)
+    assert stopped.finish_reason == "cancelled" and len(stopped.ids) < 60
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        slow.submit([20, 999], 4).result(60)
+    for handle in (actor, long):
+        ray.kill(handle)
+
+
+@ray.remote
+class Refusing:
+    def __init__(self):
+        self.version = 0
+
+    def load(self, variables, version):
+        raise ValueError("the tree has no 'params' collection")
+
+
+@ray.remote
+class Accepting:
+    def __init__(self):
+        self.loaded = None
+
+    def load(self, variables, version):
+        self.loaded = (sorted(variables), version)
+        return version
+
+    def seen(self):
+        return self.loaded
+
+
+def test_weight_broadcast_moves_the_version_only_when_every_actor_loaded(cluster):
+    good, bad = Accepting.remote(), Refusing.remote()
+    tree = {"params": {"w": np.ones((4, 4), np.float32)}}
+    broadcast = WeightBroadcast([good], ["good"], version=0)
+    broadcast.load(tree, 1)
+    assert broadcast.version == 1 and ray.get(good.seen.remote()) == (["params"], 1)
+    both = WeightBroadcast([good, bad], ["good", "refusing server"], version=1)
+    with pytest.raises(RuntimeError, match="publishing version 2 failed on refusing server.*no 'params'"):
+        both.load(tree, 2)
+    assert both.version == 1
+    ray.kill(bad)
+    survivors = WeightBroadcast([good, bad], ["good", "killed"], version=1, drop_dead=True)
+    survivors.load(tree, 3)
+    assert survivors.version == 3 and survivors.dropped == ["killed"] and survivors.names == ["good"]
+
+
+def test_a_pool_keeps_drawing_after_a_server_is_killed(cluster, endless, sharp_decoder):
+    pool = start_rollout_servers(endless, count=2, slots=2, capacity=64, num_cpus=0.5)
+    draws = [pool.submit([20, 21], 40, seed=i) for i in range(4)]  # two on each server
+    killed = pool.servers[0]
+    time.sleep(0.3)
+    ray.kill(killed.actor)
+    outcomes = []
+    for draw in draws:
+        try:
+            outcomes.append(len(draw.result(120).ids))
+        except RuntimeError as error:
+            assert "server 0 died during a draw" in str(error)
+            outcomes.append("died")
+    assert outcomes.count("died") == 2 and outcomes.count(40) == 2
+    assert pool.live() == [1]
+    assert all(len(pool.submit([20], 3, seed=i).result(60).ids) == 3 for i in range(3))  # the survivor serves
+    pool.load(sharp_decoder[1], version=1)
+    assert pool.version == 1 and pool.servers[1].version == 1
+    ray.kill(pool.servers[1].actor)
+
+
+def test_remote_fleet_runs_programs_and_reruns_those_of_a_dead_runner(cluster):
+    limits = SandboxLimits(wall_seconds=20)
+    actors = start_sandbox_runners(2, ProcessRunner(), limits, workers=2, num_cpus=0.25)
+    fleet = RemoteFleet(actors, workers=2)
+    echo = [Program(files={"main.py": f"print({i} * 2)"}, argv=["python3", "main.py"]) for i in range(6)]
+    outcomes = fleet.map(echo)
+    assert [o.stdout.strip() for o in outcomes] == [str(i * 2) for i in range(6)]
+    assert all(o.verdict is Verdict.COMPLETED for o in outcomes)
+    failing = fleet.run(Program(files={"main.py": "raise SystemExit(3)"}, argv=["python3", "main.py"]))
+    assert failing.verdict is Verdict.FAILED and failing.exit_code == 3  # a program's failure is an Outcome
+
+    slow = [fleet.submit(Program(files={"main.py": "import time; time.sleep(1.5); print('done')"},
+                                 argv=["python3", "main.py"])) for _ in range(4)]
+    time.sleep(0.5)
+    ray.kill(actors[0])
+    assert [f.result(60).stdout.strip() for f in slow] == ["done"] * 4  # the killed runner's two ran again
+    assert fleet.reruns == 2 and fleet.live == 1
+
+    cases = '[{"stdin": "3\\n", "stdout": "9"}, {"stdin": "4\\n", "stdout": "16"}]'
+    answer = "```python\nn = int(input())\nprint(n * n)\n```"
+    with SandboxFleet(ProcessRunner(), limits, workers=2) as local:
+        assert CodeReward(fleet)("code", answer, cases, "") == CodeReward(local)("code", answer, cases, "") == 1.0
+    ray.kill(actors[1])
+
+
+def test_training_continues_when_a_rollout_server_is_killed_mid_batch(cluster, endless, sharp_decoder):
+    """Kills one of two RolloutServerActors right after the next batch was submitted ahead; checks that its
+    draws came back as infrastructure errors, were drawn again on the survivor, and every update trained."""
+    model, served = sharp_decoder
+    width = 48
+    objective = GRPOObjective(model, seq_len=width - 1, behavior_importance=2.0, pretrained=served)
+    pool = start_rollout_servers(endless, count=2, slots=2, capacity=64, version=-1, num_cpus=0.5)
+    records = []
+
+    def log(record):
+        records.append(record)
+        if len(records) == 1:  # batch 2 is in flight on both servers now
+            ray.kill(pool.servers[0].actor)
+
+    def prompts():
+        for step in itertools.count():
+            yield {"prompt": np.array([[20 + step % 5, 21, 22], [23, 24, 25]], np.int32),
+                   "prompt_length": np.array([3, 3], np.int32), "data_source": utf8_column(["toy"] * 2),
+                   "ground_truth": utf8_column(["x"] * 2), "extra_info": np.zeros((2, 0), np.int32)}
+
+    with PromptSource(pool, lambda ds, text, gt, extra: float(len(text) % 3), max_new_tokens=32, workers=2) as source:
+        scheduler = RolloutScheduler(objective, source, pool, width=width, rows=8, tasks=prompt_tasks, groups=4,
+                                     max_lag=1, ahead=1, truncation="score", max_attempts=4, log=log)
+        trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0), rollout=scheduler, progress=False)
+        state = trainer.fit(scheduler.tasks(Dataset(train=lambda partition: prompts())), steps=3)
+        scheduler.close()
+    assert int(state.updates) == 3 and all(r.admitted_groups == 2 and r.abandoned_groups == 0 for r in records)
+    assert records[1].resubmissions.get("infra_error", 0) >= 1  # the killed server's draws, drawn again
+    assert pool.live() == [1] and pool.version == 2
+    ray.kill(pool.servers[1].actor)
