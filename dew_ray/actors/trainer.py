@@ -1,0 +1,172 @@
+"""The trainer as a Ray actor: one JAX process that owns a Trainer, its state, its data and its rollout.
+
+``TrainerHost(build)`` is a plain class; ``TrainerActor`` is the same class as a Ray
+actor. ``build()`` runs inside the trainer's process after JAX is set up there and
+returns a :class:`TrainJob`: the Trainer (with its rollout, e.g. a RolloutScheduler, so
+rollouts are rescored under this process's weights and the data position stays the
+trainer's), the Dataset, and what to close at the end. ``build`` must be picklable (a
+module-level function or a ``functools.partial`` of one) since it travels to the actor.
+
+A host is driven step by step: ``start()`` builds the job and the state (restoring the
+newest checkpoint of the Trainer's ``output_dir`` when there is one), ``step(n)`` consumes
+n batches and returns their metrics, ``snapshot()`` returns the parameters in host
+memory, ``save()`` writes a checkpoint with the data position, ``close()`` releases it.
+
+A group of N hosts forms one multi-process JAX job (:func:`start_trainer_group`): the
+first actor picks the coordinator address on its node, every actor joins with
+``jax.distributed`` (gloo collectives on CPU) and reads only its own data partition, and
+the driver calls each step on all of them at once, since every update is a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import ray
+
+from dew.checkpoint import Checkpoints
+from dew.data.dataset import Dataset, TrainStream
+from dew.sharding import initialize_processes, local_partition
+from dew.trainer import Trainer, TrainState
+
+
+@dataclasses.dataclass
+class TrainJob:
+    """What a trainer process trains: the Trainer, its Dataset, and what to close at the end."""
+
+    trainer: Trainer
+    data: Dataset
+    close: Callable[[], Any] | None = None
+
+
+def _use_cpu_devices(count: int) -> None:
+    """Expose ``count`` CPU devices; only effective before JAX creates its backends."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+
+
+def host_params(state: TrainState):
+    """The parameters as numpy arrays; on several processes, this process's replica of them."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state.params)
+
+
+class TrainerHost:
+    """One trainer process (see the module docstring)."""
+
+    def __init__(self, build: Callable[[], TrainJob]):
+        if not callable(build):
+            raise TypeError(f"build must be a callable returning a TrainJob, got {build!r}")
+        self.build = build
+        self.job: TrainJob | None = None
+        self.state: TrainState | None = None
+        self.stream: TrainStream | None = None
+
+    def coordinator(self) -> str:
+        """An address (this node's IP and a free port) for the group's JAX coordinator."""
+        ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return f"{ip}:{sock.getsockname()[1]}"
+
+    def start(self, coordinator: str | None = None, processes: int = 1, process: int = 0,
+              local_devices: int | None = None) -> dict:
+        """Set up JAX (joining the group when ``processes > 1``), build the job and its state."""
+        if self.job is not None:
+            raise RuntimeError("this trainer has already started")
+        if processes > 1:
+            if coordinator is None:
+                raise ValueError("a trainer group of several processes needs the coordinator address")
+            initialize_processes(coordinator, processes, process, local_device_count=local_devices)
+        elif local_devices is not None:
+            _use_cpu_devices(local_devices)
+        job = self.build()
+        if not isinstance(job, TrainJob):
+            raise TypeError(f"build() must return a dew_ray TrainJob, got {type(job).__name__}")
+        self.job = job
+        self.stream = TrainStream(job.data, local_partition())
+        trainer = job.trainer
+        restored = False
+        if trainer.output_dir is not None:
+            checkpoints = Checkpoints(trainer.output_dir, keep=trainer.keep_checkpoints)
+            try:
+                if checkpoints.latest_step() is not None:
+                    state, position = trainer._restore_from(checkpoints)
+                    self.stream.restore(position)
+                    self.state, restored = state, True
+            finally:
+                checkpoints.close()
+        if self.state is None:
+            self.state = trainer.initial_state()
+        return {**self.progress(), "restored": restored, "process": jax.process_index(),
+                "processes": jax.process_count(), "devices": jax.device_count()}
+
+    def progress(self) -> dict:
+        state = self._started()
+        return {"step": int(state.step), "updates": int(state.updates)}
+
+    def step(self, count: int = 1) -> list[dict]:
+        """Consume ``count`` batches; one metrics dict per batch (with ``step`` and ``updates``)."""
+        state = self._started()
+        trainer, data = self.job.trainer, self.job.data
+        out = []
+        for _ in range(count):
+            batch = next(self.stream)
+            if data.batch is not None:
+                rows = len(next(iter(batch.values())))
+                if rows * jax.process_count() != data.batch:
+                    raise ValueError(f"the training stream yielded {rows} rows on each of {jax.process_count()} "
+                                     f"process(es), but Dataset.batch is {data.batch}")
+            state, metrics = trainer.step(state, batch)
+            self.state = state
+            out.append({"step": int(state.step), "updates": int(state.updates), **metrics})
+        return out
+
+    def snapshot(self):
+        """The current parameters in host memory (numpy), e.g. for publication or export."""
+        return host_params(self._started())
+
+    def save(self) -> int:
+        """Checkpoint the state and data position into the Trainer's output_dir; returns the step."""
+        state = self._started()
+        trainer = self.job.trainer
+        if trainer.output_dir is None:
+            raise ValueError("the Trainer has no output_dir to save checkpoints in")
+        trainer.save(state, trainer.output_dir, self.stream.position())
+        return int(state.step)
+
+    def close(self) -> None:
+        if self.job is not None and self.job.close is not None:
+            self.job.close()
+        if jax.process_count() > 1:
+            jax.distributed.shutdown()
+
+    def _started(self) -> TrainState:
+        if self.state is None:
+            raise RuntimeError("call start() before driving the trainer")
+        return self.state
+
+
+TrainerActor = ray.remote(TrainerHost)
+
+
+def start_trainer_group(build: Callable[[], TrainJob], processes: int = 1, local_devices: int | None = None,
+                        num_cpus: float = 1, timeout: float = 600, **options) -> tuple[list, list[dict]]:
+    """Start ``processes`` TrainerActors as one JAX job; returns the actors and what each ``start`` reported."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a positive integer, got {processes!r}")
+    actors = [TrainerActor.options(num_cpus=num_cpus, **options).remote(build) for _ in range(processes)]
+    coordinator = ray.get(actors[0].coordinator.remote(), timeout=timeout) if processes > 1 else None
+    started = ray.get([actor.start.remote(coordinator, processes, index, local_devices)
+                       for index, actor in enumerate(actors)], timeout=timeout)
+    return actors, started
+
+
+def step_group(actors: list, count: int = 1, timeout: float | None = None) -> list[list[dict]]:
+    """Step every process of a group at once (each update is a collective); metrics per process."""
+    return ray.get([actor.step.remote(count) for actor in actors], timeout=timeout)
