@@ -8,6 +8,7 @@ from dew_ray.actors.rollout import (
     start_rollout_servers,
 )
 from dew_ray.actors.sandbox import RemoteFleet, SandboxRunnerActor, SandboxRunnerHost, start_sandbox_runners
+from dew_ray.actors.trainer import TrainerActor, TrainerHost, TrainJob, start_trainer_group, step_group
 
 __all__ = [
     "RemoteFleet",
@@ -19,4 +20,9 @@ __all__ = [
     "ServerPool",
     "start_rollout_servers",
     "start_sandbox_runners",
+    "start_trainer_group",
+    "step_group",
+    "TrainerActor",
+    "TrainerHost",
+    "TrainJob",
 ]

@@ -38,11 +38,14 @@ from dew.trainer import Trainer, TrainState
 
 @dataclasses.dataclass
 class TrainJob:
-    """What a trainer process trains: the Trainer, its Dataset, and what to close at the end."""
+    """What a trainer process trains: the Trainer, its Dataset, what to close at the end, and
+    ``report()``: what the job has to say after each step (its rollout's records, say),
+    returned with the step's metrics under ``"report"``."""
 
     trainer: Trainer
     data: Dataset
     close: Callable[[], Any] | None = None
+    report: Callable[[], dict] | None = None
 
 
 def _use_cpu_devices(count: int) -> None:
@@ -124,7 +127,10 @@ class TrainerHost:
                                      f"process(es), but Dataset.batch is {data.batch}")
             state, metrics = trainer.step(state, batch)
             self.state = state
-            out.append({"step": int(state.step), "updates": int(state.updates), **metrics})
+            row = {"step": int(state.step), "updates": int(state.updates), **metrics}
+            if self.job.report is not None:
+                row["report"] = self.job.report()
+            out.append(row)
         return out
 
     def snapshot(self):

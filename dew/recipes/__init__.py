@@ -1,0 +1,1 @@
+"""Recipes: ready-made pieces for whole post-training runs."""
