@@ -37,13 +37,42 @@ before it (otherwise it is *cut*); a group that cannot fit N rows on its own rai
 ``old_log_probs`` is rescored under the trainer's current variables (the proximal
 policy); ``behavior_log_probs`` stays as the engine reported it.
 
-Not supported: multi-process trainers (construction refuses ``jax.process_count() > 1``).
+Multi-process trainers. Every trainer process runs its own scheduler, on its own source,
+over the task rows its partition of the data stream reads, and packs its own N rows; the
+step's batch is every process's rows together (the Trainer shards the returned rows as
+it shards any batch), so no rollout crosses a process. Each scheduler call meets the
+other processes' calls, in the same order on every process, at three points:
+
+- the weight push. Every process decides alike (the served version is one every process
+  agreed on) and gathers the variables to host memory collectively; ``push="one"``
+  (default) has process 0 call ``weights.load``: one engine pool serves every process's
+  source. ``push="each"`` has every process load its own ``weights``: each process's
+  source has an engine of its own (a NativeRolloutServer per process). The processes
+  then exchange the outcome, so every process sees the same served version and a push
+  that fails or does not move the version raises on every process;
+- the admission. Before the rescoring the processes exchange whether their admission
+  succeeded; a failure on any process (a source that raised, a group that cannot fit N
+  rows, a converter error) raises on every process, naming the process and its cause
+  (the failing process raises its own error), rather than leave the others waiting in
+  the rescoring. When no process has a trainable row, every process returns None and
+  the step makes no update; when only some do, the others contribute N fully masked
+  rows. ``session_index`` is offset by the sessions of the processes before this one,
+  and a field one process packed (supports, router records) is padded on the others,
+  so the global batch is laid out as one pack of every process's groups would be;
+- the proximal rescoring, one jitted computation over the global batch on the
+  trainer's mesh, from which each process takes back its own rows.
+
+Construction makes no collective call; the first scheduler call agrees on the served
+version and checks that ``rows``, ``width``, ``sync_every`` and ``push`` match across
+processes. A source that never resolves still blocks every process (use ``timeout``).
+Each process logs its own :class:`SchedulerRecord`.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import time
 import zlib
@@ -54,6 +83,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
 
 from dew.data.dataset import Batch, Dataset, StreamPosition
 from dew.data.prompts import METADATA, metadata_texts, prompt_rows
@@ -69,10 +100,12 @@ from dew.objectives.rl.sessions import (
     rows_needed,
     session_metrics,
 )
+from dew.sharding import DATA_AXIS, data_mesh, row_sharded, shard_batch
 
 logger = logging.getLogger(__name__)
 
 _POLL = 0.05  # seconds between checks of timeouts while waiting on rollouts
+PUSHES = ("one", "each")
 
 
 # ----- converting data batches to tasks --------------------------------------------------------
@@ -173,6 +206,21 @@ class _Batch:
     submitted: bool = False
 
 
+@dataclasses.dataclass
+class _Admitted:
+    """One process's share of a call: its packed batch (None without sessions) and what the record needs."""
+
+    out: Batch | None
+    sessions: list[Session]
+    metrics: dict[str, float]
+    groups: int
+    cut: int
+    abandoned: int
+    causes: collections.Counter
+    cancellations: int
+    waited: float
+
+
 class RolloutScheduler:
     """The Trainer's rollout over a SessionSource (see the module docstring for the rules).
 
@@ -182,6 +230,8 @@ class RolloutScheduler:
     width, rows: the packed batch's shape [rows, width]; width must be ``seq_len + 1``.
     tasks: ``task_ids``, ``prompt_tasks`` or a callable batch -> list[Task] (None: by fields).
     log: a callable receiving a :class:`SchedulerRecord` per call.
+    push: on a multi-process trainer, "one" (process 0 loads ``weights``, which serves
+    every process's source) or "each" (every process loads its own ``weights``).
     """
 
     def __init__(
@@ -205,12 +255,10 @@ class RolloutScheduler:
         support_capacity: int | None = None,
         estimator: str = "group",
         log: Callable[[SchedulerRecord], Any] | None = None,
+        push: str = "one",
     ):
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"RolloutScheduler runs in one trainer process; this run has {jax.process_count()} processes "
-                "(multi-process scheduling is not supported yet)"
-            )
+        if push not in PUSHES:
+            raise ValueError(f"push must be one of {PUSHES}, got {push!r}")
         if not isinstance(source, SessionSource):
             raise TypeError(f"source must be a SessionSource, got {type(source).__name__}")
         if not hasattr(weights, "load") or not hasattr(weights, "version"):
@@ -248,9 +296,12 @@ class RolloutScheduler:
         self.max_lag, self.ahead, self.sync_every = max_lag, ahead, sync_every
         self.truncation, self.max_attempts, self.timeout = truncation, max_attempts, timeout
         self.oversample, self.admit, self.support_capacity = oversample, admit, support_capacity
-        self.estimator, self.log = estimator, log
+        self.estimator, self.log, self.push = estimator, log, push
         self.converter = tasks or _infer_tasks
         self._rescore = jax.jit(objective.packed_log_probs)
+        self._sharded_rescore: dict = {}  # mesh -> the rescoring jitted to return row-sharded scores
+        self._processes = jax.process_count()
+        self._agreed: int | None = None  # multi-process: the served version every process agreed on
         self._queue: collections.deque[_Batch] = collections.deque()  # registered, not yet trained on
         self._next_group = 0
         self._finished: dict[Future, float] = {}
@@ -299,7 +350,7 @@ class RolloutScheduler:
         return future
 
     def _submit_batch(self, entry: _Batch) -> None:
-        version = int(self.weights.version)
+        version = self.served_version
         try:
             for task in entry.tasks:
                 group = _Group(task, self._next_group, [_Slot(s) for s in range(self.groups + self.oversample)])
@@ -319,15 +370,54 @@ class RolloutScheduler:
         if len(futures) != 1:
             raise ValueError(f"the source returned {len(futures)} futures for 1 sample")
         slot.future = self._watch(futures[0])
-        slot.submitted, slot.version = time.monotonic(), int(self.weights.version)
+        slot.submitted, slot.version = time.monotonic(), self.served_version
         slot.attempt += 1
 
     # ----- weights ---------------------------------------------------------------------------
 
+    @property
+    def served_version(self) -> int:
+        """The version serving this process's source.
+
+        One process: ``weights.version``. Several: the version every process agreed on at
+        the last push (or, before any, at the first scheduler call).
+        """
+        if self._processes == 1:
+            return int(self.weights.version)
+        if self._agreed is None:
+            raise RuntimeError("the processes agree on the served version at the first scheduler call; none ran yet")
+        return self._agreed
+
+    def _loads_here(self) -> bool:
+        return self.push == "each" or jax.process_index() == 0
+
+    def _meet(self) -> None:
+        """The first call on a multi-process trainer: agree on the served version and the shared options."""
+        options = {"rows": self.rows, "width": self.width, "sync_every": self.sync_every, "push": self.push}
+        served = int(self.weights.version) if self._loads_here() else None
+        everyone = _exchange({"options": options, "served": served})
+        for process, theirs in enumerate(everyone):
+            if theirs["options"] != options:
+                raise ValueError(
+                    f"RolloutScheduler options differ across processes: process {jax.process_index()} has {options}, "
+                    f"process {process} has {theirs['options']}; every process must build the scheduler alike"
+                )
+        versions = {p: theirs["served"] for p, theirs in enumerate(everyone) if theirs["served"] is not None}
+        if len(set(versions.values())) > 1:
+            raise ValueError(
+                f"with push='each' every process's weights must start at the same version; they serve {versions} "
+                "(process: version)"
+            )
+        self._agreed = next(iter(versions.values()))
+
     def _push(self, variables, version: int) -> bool:
-        if version - int(self.weights.version) < self.sync_every:
+        if self._processes > 1 and self._agreed is None:
+            self._meet()
+        before = self.served_version
+        if version - before < self.sync_every:
             return False
-        before = int(self.weights.version)
+        if self._processes > 1:
+            return self._push_together(variables, version, before)
         # The trainer donates its state to the next update; the server must keep a copy of its own.
         variables = jax.tree.map(jnp.copy, variables)
         for _ in range(2):
@@ -339,14 +429,68 @@ class RolloutScheduler:
             f"(was {before}) after two tries"
         )
 
+    def _push_together(self, variables, version: int, before: int) -> bool:
+        """Every process calls: gather to host, load where ``push`` says, agree on the outcome."""
+        host = _host_copy(variables)
+        loads = self._loads_here()
+        for attempt in range(2):
+            error, served = None, None
+            if loads:
+                try:
+                    if attempt == 0 or int(self.weights.version) != version:
+                        self.weights.load(host, version)
+                    served = int(self.weights.version)
+                except Exception as caught:  # told to every process below, then raised here
+                    error = caught
+            everyone = _exchange({"error": _describe(error), "served": served})
+            _raise_failures(everyone, error, f"the weight push for version {version}")
+            stuck = {p: theirs["served"] for p, theirs in enumerate(everyone)
+                     if theirs["served"] is not None and theirs["served"] != version}
+            if not stuck:
+                self._agreed = version
+                return True
+        where = ", ".join(f"{served} on process {p}" for p, served in stuck.items())
+        raise RuntimeError(
+            f"pushing weights for version {version} left the served version at {where} (was {before}) after two tries"
+        )
+
     # ----- the rollout -----------------------------------------------------------------------
 
     def __call__(self, batch: Batch, variables, version: int, key=None) -> Batch | None:
         version = int(version)
-        entry = self._take(batch)
-        pushed = self._push(variables, version)
+        pushed = self._push(variables, version)  # every process pushes before any reads its batch
+        try:
+            got = self._admit(batch, version)
+        except Exception as error:
+            if self._processes > 1:
+                everyone = _exchange({"error": _describe(error)})
+                _raise_failures(everyone, error, f"rollout admission for update {version}")
+            raise
+        out = got.out
+        trainable = out is not None and bool((np.asarray(out["response_mask"]) != 0).any())
+        if self._processes > 1:
+            out = self._together(out if trainable else None, len(got.sessions), version)
+        elif not trainable:
+            out = None  # every admitted rollout masked: nothing to train on
+        if out is not None:
+            out["old_log_probs"] = self._proximal(variables, out)
+        versions = [min(c.version for c in s.calls) for s in got.sessions if s.calls]
+        oldest = min(versions) if versions else None
+        record = SchedulerRecord(
+            version=version, oldest_version=oldest, lag=None if oldest is None else version - oldest,
+            admitted_groups=got.groups, resubmissions=dict(got.causes), cancellations=got.cancellations,
+            abandoned_groups=got.abandoned, cut_groups=got.cut, waited=got.waited, pushed=pushed,
+            metrics=got.metrics,
+        )
+        if self.log is not None:
+            self.log(record)
+        return out
+
+    def _admit(self, batch: Batch, version: int) -> _Admitted:
+        """Submit what is due, collect ``batch``'s groups and pack them: what one process does alone."""
         causes: collections.Counter = collections.Counter()
         stats = {"cancellations": 0}
+        entry = self._take(batch)
         try:
             if not entry.submitted:
                 self._submit_batch(entry)
@@ -361,26 +505,47 @@ class RolloutScheduler:
             raise
         sessions = [s for group in admitted for s, _ in group.admitted]
         latencies = [latency for group in admitted for _, latency in group.admitted]
-        abandoned = sum(g.state == "abandoned" for g in entry.groups)
-        out = None
-        metrics: dict[str, float] = {}
+        out, metrics = None, {}
         if sessions:
             out = pack(sessions, self.width, rows=self.rows, estimator=self.estimator, truncation=self.truncation,
                        support_capacity=self.support_capacity)
             metrics = session_metrics(sessions, out, latencies, version=version, truncation=self.truncation)
-            if not (np.asarray(out["response_mask"]) != 0).any():
-                out = None  # every admitted rollout masked: nothing to train on
-            else:
-                out["old_log_probs"] = self._proximal(variables, out)
-        versions = [min(c.version for c in s.calls) for s in sessions if s.calls]
-        oldest = min(versions) if versions else None
-        record = SchedulerRecord(
-            version=version, oldest_version=oldest, lag=None if oldest is None else version - oldest,
-            admitted_groups=len(admitted), resubmissions=dict(causes), cancellations=stats["cancellations"],
-            abandoned_groups=abandoned, cut_groups=cut, waited=waited, pushed=pushed, metrics=metrics,
-        )
-        if self.log is not None:
-            self.log(record)
+        return _Admitted(out=out, sessions=sessions, metrics=metrics, groups=len(admitted), cut=cut,
+                         abandoned=sum(g.state == "abandoned" for g in entry.groups), causes=causes,
+                         cancellations=stats["cancellations"], waited=waited)
+
+    def _together(self, out: Batch | None, sessions: int, version: int) -> Batch | None:
+        """Agree with the other processes on this step's batch; returns this process's rows of it, or None.
+
+        ``out`` is this process's packed batch when it has a trainable row. Every process
+        returns None when none has one; otherwise a process without one contributes N
+        masked rows, and every process's rows carry the union of the packed fields.
+        """
+        mine = {} if out is None else {k: [str(np.asarray(v).dtype), list(np.shape(v)[1:])]
+                                       for k, v in out.items() if k != "old_log_probs"}
+        everyone = _exchange({"error": None, "sessions": sessions, "fields": mine})
+        _raise_failures(everyone, None, f"rollout admission for update {version}")
+        fields: dict[str, list] = {}
+        for process, theirs in enumerate(everyone):
+            for name, spec in theirs["fields"].items():
+                if fields.setdefault(name, spec) != spec:
+                    raise ValueError(
+                        f"the processes packed field {name!r} differently at update {version} "
+                        f"([dtype, trailing shape]): {fields[name]} before process {process}, {spec} on it"
+                    )
+        if not fields:
+            return None  # no process has a trainable row: every process skips the update
+        if out is None:  # pack's own padding for the standard fields, no sessions in them
+            out = pack([], self.width, rows=self.rows, estimator=self.estimator, truncation=self.truncation)
+        else:
+            out = dict(out)
+        for name, (dtype, shape) in fields.items():
+            if name not in out:
+                out[name] = np.full((self.rows, *shape), _PADDING.get(name, 0), np.dtype(dtype))
+        # session_index must name sessions across the global batch (the session-mean aggregation counts them).
+        offset = sum(theirs["sessions"] for theirs in everyone[: jax.process_index()])
+        index = np.asarray(out["session_index"])
+        out["session_index"] = np.where(index >= 0, index + offset, index).astype(index.dtype)
         return out
 
     def _take(self, batch: Batch) -> _Batch:
@@ -393,8 +558,20 @@ class RolloutScheduler:
         return _Batch(batch, list(self.converter(batch)))  # not read through scheduler.tasks: nothing ahead
 
     def _proximal(self, variables, batch: Batch) -> np.ndarray:
-        fields = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")
-        scores = np.asarray(self._rescore(variables, {k: jnp.asarray(batch[k]) for k in fields if k in batch}))
+        """old_log_probs of this process's rows under ``variables``: [rows, width] float32, 0 off sampled ids.
+
+        On several processes every process calls with its own rows: one computation over
+        the global batch, on the mesh the variables live on.
+        """
+        fields = {k: np.asarray(batch[k]) for k in _RESCORED if k in batch}
+        if self._processes == 1:
+            scores = np.asarray(self._rescore(variables, {k: jnp.asarray(v) for k, v in fields.items()}))
+        else:
+            mesh = _mesh_of(variables)
+            if mesh not in self._sharded_rescore:
+                self._sharded_rescore[mesh] = jax.jit(self.objective.packed_log_probs,
+                                                      out_shardings=row_sharded(mesh))
+            scores = _local_rows(self._sharded_rescore[mesh](variables, shard_batch(fields, mesh)))
         return np.where(np.asarray(batch["response_mask"]) != 0, scores, 0.0).astype(np.float32)
 
     def _collect(self, entry: _Batch, version: int, causes, stats) -> tuple[list[_Group], int]:
@@ -497,6 +674,86 @@ class RolloutScheduler:
     def close(self) -> None:
         """Cancel every rollout in flight and forget the registered batches."""
         self._reset()
+
+
+# ----- meeting the other processes -------------------------------------------------------------
+
+_RESCORED = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")
+_PADDING = {"support_ids": -1, "support_columns": -1}  # pack's fill for the fields it adds only with supports
+_MESSAGE_BYTES = 8192  # what each process sends at a meeting: a fixed size, so every process gathers alike
+_CAUSE_CHARS = 2000
+
+
+def _describe(error: BaseException | None) -> str | None:
+    """``"Type: message"``, cut so that its JSON form stays within _CAUSE_CHARS."""
+    if error is None:
+        return None
+    text = f"{type(error).__name__}: {error}"
+    if len(json.dumps(text)) > _CAUSE_CHARS:
+        text = text[: _CAUSE_CHARS // 6 - 3] + "..."  # JSON writes a character as at most 6 ("\u0001")
+    return text
+
+
+def _exchange(payload: dict) -> list[dict]:
+    """Every process's ``payload`` (JSON), in process order; a collective every process must call."""
+    data = json.dumps(payload).encode()
+    if len(data) > _MESSAGE_BYTES:  # payloads are bounded (causes are cut to _CAUSE_CHARS); this is a bug
+        raise AssertionError(f"a meeting payload of {len(data)} bytes exceeds {_MESSAGE_BYTES}")
+    buffer = np.zeros(_MESSAGE_BYTES, np.uint8)
+    buffer[: len(data)] = np.frombuffer(data, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buffer))  # [processes, bytes]
+    return [json.loads(bytes(row).rstrip(b"\0")) for row in gathered]
+
+
+def _raise_failures(everyone: list[dict], error: BaseException | None, what: str) -> None:
+    """Raise on every process when any process reported an error at this meeting.
+
+    The failing process raises its own ``error`` (with a note that the others were told);
+    the others raise a RuntimeError naming each failing process and its cause.
+    """
+    failed = [(process, theirs["error"]) for process, theirs in enumerate(everyone) if theirs.get("error")]
+    if not failed:
+        return
+    if error is not None:
+        error.add_note(f"{what} failed on process {jax.process_index()} of {len(everyone)}; "
+                       "every other process raises too")
+        raise error
+    causes = "; ".join(f"process {process}: {cause}" for process, cause in failed)
+    raise RuntimeError(
+        f"{what} failed on process {', '.join(str(p) for p, _ in failed)} of {len(everyone)} ({causes}); "
+        "every process stops here"
+    )
+
+
+def _host_copy(tree):
+    """``tree`` in host memory on every process; sharded leaves are gathered (a collective)."""
+
+    def leaf(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if x.is_fully_replicated:
+                # A copy: on CPU a host view of the buffer would change when the trainer donates it.
+                return np.array(x.addressable_data(0), copy=True)
+            return multihost_utils.process_allgather(x, tiled=True)
+        return np.array(x, copy=True)
+
+    return jax.tree.map(leaf, tree)
+
+
+def _mesh_of(variables):
+    """The trainer's data mesh, read from the variables' sharding (default: every device)."""
+    for leaf in jax.tree.leaves(variables):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and DATA_AXIS in sharding.mesh.axis_names:
+            return sharding.mesh
+    return data_mesh()
+
+
+def _local_rows(array: jax.Array) -> np.ndarray:
+    """This process's rows of a row-sharded global array, in the order shard_batch placed them."""
+    shards = {}
+    for shard in array.addressable_shards:
+        shards.setdefault(shard.index[0].start or 0, shard)  # replicas of one row block hold the same rows
+    return np.concatenate([np.asarray(shards[start].data) for start in sorted(shards)])
 
 
 # ----- the stream wrappers ---------------------------------------------------------------------
