@@ -1,11 +1,12 @@
 """The ``dew-ray`` command.
 
-``dew-ray sft-demo`` trains the tiny built-in decoder on dew's built-in story corpus
-and prints the validation loss before and after. ``dew-ray serve`` serves a decoder
-(a Hugging Face checkpoint, or the built-in story decoder after a short training)
-through the native continuous-batching server's OpenAI-compatible HTTP front. Both
-run in this process; the Ray pipelines (async RLVR and the SFT -> DPO -> GRPO chain)
-are not part of dew-ray yet.
+``dew-ray rlvr`` is the main job: asynchronous RLVR on the built-in verifiable tasks
+(:mod:`dew_ray.pipelines.rlvr`) on a local Ray cluster it starts (or the cluster at
+``--address`` / ``RAY_ADDRESS``), with a progress bar and a final summary. ``dew-ray
+sft-demo`` trains the tiny built-in story decoder in this process and prints the
+validation loss before and after. ``dew-ray serve`` serves a decoder (a Hugging Face
+checkpoint, or the story decoder after a short training) through the native
+continuous-batching server's OpenAI-compatible HTTP front.
 """
 
 from __future__ import annotations
@@ -99,9 +100,40 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def rlvr(args: argparse.Namespace) -> int:
+    from dew_ray.pipelines import rlvr as pipeline
+
+    overrides = list(args.set)
+    if args.run_dir is None and args.config is None and not any(o.startswith("run_dir=") for o in overrides):
+        args.run_dir = time.strftime("runs/rlvr-%Y%m%d-%H%M%S")  # a fresh run each time unless asked to resume
+    if args.run_dir is not None:
+        overrides.append(f"run_dir={args.run_dir}")
+    if args.steps is not None:
+        overrides.append(f"steps={args.steps}")
+    try:
+        config = pipeline.load_config(args.config, overrides)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    run_dir = config.run_dir
+    print(f"dew-ray rlvr: {config.steps} GRPO updates of {config.tasks_per_step} tasks x {config.samples} samples, "
+          f"{config.servers} rollout server(s), {config.sandbox_runners} sandbox runner(s), run directory {run_dir}",
+          flush=True)
+    summary = pipeline.run(config, args.address)
+    pipeline.print_summary(summary)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dew-ray", description="Post-training for language models, in JAX on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
+    main_job = commands.add_parser("rlvr", help="asynchronous RLVR on the built-in tasks on a (local) Ray cluster")
+    main_job.add_argument("--config", help="a TOML file of RLVRPipelineConfig fields (see cluster_configs/rlvr.toml)")
+    main_job.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config field")
+    main_job.add_argument("--run-dir", default=None, help="the run directory; an existing one resumes (default: runs/rlvr-<time>)")
+    main_job.add_argument("--steps", type=int, default=None, help="GRPO updates")
+    main_job.add_argument("--address", default=None, help="a running Ray cluster (default: RAY_ADDRESS or a local one)")
+    main_job.set_defaults(run=rlvr)
     demo = commands.add_parser("sft-demo", help="train the tiny built-in decoder on the built-in story corpus")
     demo.add_argument("--steps", type=int, default=200)
     demo.add_argument("--batch", type=int, default=16)
