@@ -9,11 +9,13 @@ process reads only its partition of the data.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dew.data.dataset import Partition
@@ -94,3 +96,72 @@ def initialize_processes(
         coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
     )
     return local_partition()
+
+
+# ----- meetings of the processes of a multi-process job ------------------------------------------
+
+MESSAGE_BYTES = 8192  # what each process sends at a meeting: a fixed size, so every process gathers alike
+CAUSE_CHARS = 2000
+
+
+def describe_error(error: BaseException | None) -> str | None:
+    """``"Type: message"``, cut so that its JSON form stays within CAUSE_CHARS."""
+    if error is None:
+        return None
+    text = f"{type(error).__name__}: {error}"
+    if len(json.dumps(text)) > CAUSE_CHARS:
+        text = text[: CAUSE_CHARS // 6 - 3] + "..."  # JSON writes a character as at most 6 ("\u0001")
+    return text
+
+
+def exchange(payload: dict) -> list[dict]:
+    """Every process's ``payload`` (JSON), in process order; a collective every process must call."""
+    data = json.dumps(payload).encode()
+    if len(data) > MESSAGE_BYTES:  # payloads are bounded (causes are cut to CAUSE_CHARS); this is a bug
+        raise AssertionError(f"a meeting payload of {len(data)} bytes exceeds {MESSAGE_BYTES}")
+    buffer = np.zeros(MESSAGE_BYTES, np.uint8)
+    buffer[: len(data)] = np.frombuffer(data, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buffer))  # [processes, bytes]
+    return [json.loads(bytes(row).rstrip(b"\0")) for row in gathered]
+
+
+def raise_failures(everyone: list[dict], error: BaseException | None, what: str) -> None:
+    """Raise on every process when any process reported an error at this meeting.
+
+    The failing process raises its own ``error`` (with a note that the others were told);
+    the others raise a RuntimeError naming each failing process and its cause.
+    """
+    failed = [(process, theirs["error"]) for process, theirs in enumerate(everyone) if theirs.get("error")]
+    if not failed:
+        return
+    if error is not None:
+        error.add_note(f"{what} failed on process {jax.process_index()} of {len(everyone)}; "
+                       "every other process raises too")
+        raise error
+    causes = "; ".join(f"process {process}: {cause}" for process, cause in failed)
+    raise RuntimeError(
+        f"{what} failed on process {', '.join(str(p) for p, _ in failed)} of {len(everyone)} ({causes}); "
+        "every process stops here"
+    )
+
+
+def collective_host(tree):
+    """``tree`` in host memory on every process; sharded leaves are gathered (a collective)."""
+
+    def leaf(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if x.is_fully_replicated:
+                # A copy: on CPU a host view of the buffer would change when the trainer donates it.
+                return np.array(x.addressable_data(0), copy=True)
+            return multihost_utils.process_allgather(x, tiled=True)
+        return np.array(x, copy=True)
+
+    return jax.tree.map(leaf, tree)
+
+
+def process_rows(array: jax.Array) -> np.ndarray:
+    """This process's rows of a row-sharded global array, in the order shard_batch placed them."""
+    shards = {}
+    for shard in array.addressable_shards:
+        shards.setdefault(shard.index[0].start or 0, shard)  # replicas of one row block hold the same rows
+    return np.concatenate([np.asarray(shards[start].data) for start in sorted(shards)])

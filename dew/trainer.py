@@ -41,7 +41,15 @@ from flax import struct
 from dew.checkpoint import Checkpoints
 from dew.data.dataset import Batch, Dataset, Partition, TrainStream
 from dew.objectives.base import Objective, Variables
-from dew.sharding import data_mesh, local_partition, replicated, shard_batch
+from dew.sharding import (
+    data_mesh,
+    describe_error,
+    exchange,
+    local_partition,
+    raise_failures,
+    replicated,
+    shard_batch,
+)
 from dew.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -219,7 +227,7 @@ class Trainer:
             batch = self.rollout(batch, state.params, int(state.updates), rollout_key)
             if batch is None:
                 return state.replace(step=state.step + 1), {}
-        self.objective.validate(batch)
+        self._validate(batch, step)
         state, metrics = self._update(state, shard_batch(batch, self.mesh))
         metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
         if not math.isfinite(metrics["loss"]):
@@ -228,6 +236,18 @@ class Trainer:
                 "training stopped. Lower the learning rate or check the batch for bad values."
             )
         return state, metrics
+
+    def _validate(self, batch: Batch, step: int) -> None:
+        """Check the host batch; on several processes a bad batch on one raises on all (none waits in the update)."""
+        if jax.process_count() == 1:
+            self.objective.validate(batch)
+            return
+        error = None
+        try:
+            self.objective.validate(batch)
+        except Exception as failure:  # noqa: BLE001 - shared with the other processes, then raised
+            error = failure
+        raise_failures(exchange({"error": describe_error(error)}), error, f"checking the batch of step {step + 1}")
 
     def evaluate(self, state: TrainState, data: Dataset, partition: Partition | None = None) -> dict[str, float]:
         """Validation metrics over every batch of ``data.val``; with a moving EMA also ``ema/...``."""

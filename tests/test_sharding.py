@@ -116,3 +116,43 @@ print(json.dumps([np.asarray(x).tolist() for x in jax.tree.leaves(state.params)]
         params = json.loads((tmp_path / f"{rank}.json").read_text())
         for a, b in zip(params, reference, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+BAD_BATCH_WORKER = (
+    TRAIN
+    + """
+from dew.sharding import initialize_processes
+process, port = int(sys.argv[1]), sys.argv[2]
+partition = initialize_processes(f"127.0.0.1:{port}", 2, process, local_device_count=1)
+rows = GLOBAL[process * 4:(process + 1) * 4]
+# process 1 reads a batch whose ids are floats: only its own check can see it
+batch = {"text": rows.astype(np.float32) if process == 1 else rows}
+try:
+    trainer().fit(Dataset(train=lambda p: itertools.repeat(batch), batch=8), steps=1, log_every=1)
+except Exception as error:
+    print("raised:", type(error).__name__, str(error).splitlines()[0], flush=True)
+    import os
+    os._exit(3)  # no shutdown barrier: the point is that neither process waits in a collective
+"""
+)
+
+
+def test_a_bad_batch_on_one_process_raises_on_every_process():
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import ROOT
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    workers = [
+        subprocess.Popen([sys.executable, "-c", textwrap.dedent(BAD_BATCH_WORKER), str(rank), str(port)], env=env,
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(2)
+    ]
+    outputs = [worker.communicate(timeout=240)[0] for worker in workers]
+    assert [worker.returncode for worker in workers] == [3, 3], outputs
+    assert "raised: RuntimeError checking the batch of step 1 failed on process 1 of 2" in outputs[0], outputs[0]
+    assert "raised: " in outputs[1] and "text" in outputs[1], outputs[1]

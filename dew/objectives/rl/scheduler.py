@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import time
 import zlib
@@ -83,7 +82,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from dew.data.dataset import Batch, Dataset, StreamPosition
@@ -100,7 +98,17 @@ from dew.objectives.rl.sessions import (
     rows_needed,
     session_metrics,
 )
-from dew.sharding import DATA_AXIS, data_mesh, row_sharded, shard_batch
+from dew.sharding import (
+    DATA_AXIS,
+    collective_host,
+    data_mesh,
+    describe_error,
+    exchange,
+    process_rows,
+    raise_failures,
+    row_sharded,
+    shard_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -395,7 +403,7 @@ class RolloutScheduler:
         """The first call on a multi-process trainer: agree on the served version and the shared options."""
         options = {"rows": self.rows, "width": self.width, "sync_every": self.sync_every, "push": self.push}
         served = int(self.weights.version) if self._loads_here() else None
-        everyone = _exchange({"options": options, "served": served})
+        everyone = exchange({"options": options, "served": served})
         for process, theirs in enumerate(everyone):
             if theirs["options"] != options:
                 raise ValueError(
@@ -431,7 +439,7 @@ class RolloutScheduler:
 
     def _push_together(self, variables, version: int, before: int) -> bool:
         """Every process calls: gather to host, load where ``push`` says, agree on the outcome."""
-        host = _host_copy(variables)
+        host = collective_host(variables)
         loads = self._loads_here()
         for attempt in range(2):
             error, served = None, None
@@ -442,8 +450,8 @@ class RolloutScheduler:
                     served = int(self.weights.version)
                 except Exception as caught:  # told to every process below, then raised here
                     error = caught
-            everyone = _exchange({"error": _describe(error), "served": served})
-            _raise_failures(everyone, error, f"the weight push for version {version}")
+            everyone = exchange({"error": describe_error(error), "served": served})
+            raise_failures(everyone, error, f"the weight push for version {version}")
             stuck = {p: theirs["served"] for p, theirs in enumerate(everyone)
                      if theirs["served"] is not None and theirs["served"] != version}
             if not stuck:
@@ -463,8 +471,8 @@ class RolloutScheduler:
             got = self._admit(batch, version)
         except Exception as error:
             if self._processes > 1:
-                everyone = _exchange({"error": _describe(error)})
-                _raise_failures(everyone, error, f"rollout admission for update {version}")
+                everyone = exchange({"error": describe_error(error)})
+                raise_failures(everyone, error, f"rollout admission for update {version}")
             raise
         out = got.out
         trainable = out is not None and bool((np.asarray(out["response_mask"]) != 0).any())
@@ -523,8 +531,8 @@ class RolloutScheduler:
         """
         mine = {} if out is None else {k: [str(np.asarray(v).dtype), list(np.shape(v)[1:])]
                                        for k, v in out.items() if k != "old_log_probs"}
-        everyone = _exchange({"error": None, "sessions": sessions, "fields": mine})
-        _raise_failures(everyone, None, f"rollout admission for update {version}")
+        everyone = exchange({"error": None, "sessions": sessions, "fields": mine})
+        raise_failures(everyone, None, f"rollout admission for update {version}")
         fields: dict[str, list] = {}
         for process, theirs in enumerate(everyone):
             for name, spec in theirs["fields"].items():
@@ -571,7 +579,7 @@ class RolloutScheduler:
             if mesh not in self._sharded_rescore:
                 self._sharded_rescore[mesh] = jax.jit(self.objective.packed_log_probs,
                                                       out_shardings=row_sharded(mesh))
-            scores = _local_rows(self._sharded_rescore[mesh](variables, shard_batch(fields, mesh)))
+            scores = process_rows(self._sharded_rescore[mesh](variables, shard_batch(fields, mesh)))
         return np.where(np.asarray(batch["response_mask"]) != 0, scores, 0.0).astype(np.float32)
 
     def _collect(self, entry: _Batch, version: int, causes, stats) -> tuple[list[_Group], int]:
@@ -680,65 +688,6 @@ class RolloutScheduler:
 
 _RESCORED = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")
 _PADDING = {"support_ids": -1, "support_columns": -1}  # pack's fill for the fields it adds only with supports
-_MESSAGE_BYTES = 8192  # what each process sends at a meeting: a fixed size, so every process gathers alike
-_CAUSE_CHARS = 2000
-
-
-def _describe(error: BaseException | None) -> str | None:
-    """``"Type: message"``, cut so that its JSON form stays within _CAUSE_CHARS."""
-    if error is None:
-        return None
-    text = f"{type(error).__name__}: {error}"
-    if len(json.dumps(text)) > _CAUSE_CHARS:
-        text = text[: _CAUSE_CHARS // 6 - 3] + "..."  # JSON writes a character as at most 6 ("\u0001")
-    return text
-
-
-def _exchange(payload: dict) -> list[dict]:
-    """Every process's ``payload`` (JSON), in process order; a collective every process must call."""
-    data = json.dumps(payload).encode()
-    if len(data) > _MESSAGE_BYTES:  # payloads are bounded (causes are cut to _CAUSE_CHARS); this is a bug
-        raise AssertionError(f"a meeting payload of {len(data)} bytes exceeds {_MESSAGE_BYTES}")
-    buffer = np.zeros(_MESSAGE_BYTES, np.uint8)
-    buffer[: len(data)] = np.frombuffer(data, np.uint8)
-    gathered = np.asarray(multihost_utils.process_allgather(buffer))  # [processes, bytes]
-    return [json.loads(bytes(row).rstrip(b"\0")) for row in gathered]
-
-
-def _raise_failures(everyone: list[dict], error: BaseException | None, what: str) -> None:
-    """Raise on every process when any process reported an error at this meeting.
-
-    The failing process raises its own ``error`` (with a note that the others were told);
-    the others raise a RuntimeError naming each failing process and its cause.
-    """
-    failed = [(process, theirs["error"]) for process, theirs in enumerate(everyone) if theirs.get("error")]
-    if not failed:
-        return
-    if error is not None:
-        error.add_note(f"{what} failed on process {jax.process_index()} of {len(everyone)}; "
-                       "every other process raises too")
-        raise error
-    causes = "; ".join(f"process {process}: {cause}" for process, cause in failed)
-    raise RuntimeError(
-        f"{what} failed on process {', '.join(str(p) for p, _ in failed)} of {len(everyone)} ({causes}); "
-        "every process stops here"
-    )
-
-
-def _host_copy(tree):
-    """``tree`` in host memory on every process; sharded leaves are gathered (a collective)."""
-
-    def leaf(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            if x.is_fully_replicated:
-                # A copy: on CPU a host view of the buffer would change when the trainer donates it.
-                return np.array(x.addressable_data(0), copy=True)
-            return multihost_utils.process_allgather(x, tiled=True)
-        return np.array(x, copy=True)
-
-    return jax.tree.map(leaf, tree)
-
-
 def _mesh_of(variables):
     """The trainer's data mesh, read from the variables' sharding (default: every device)."""
     for leaf in jax.tree.leaves(variables):
@@ -746,14 +695,6 @@ def _mesh_of(variables):
         if isinstance(sharding, NamedSharding) and DATA_AXIS in sharding.mesh.axis_names:
             return sharding.mesh
     return data_mesh()
-
-
-def _local_rows(array: jax.Array) -> np.ndarray:
-    """This process's rows of a row-sharded global array, in the order shard_batch placed them."""
-    shards = {}
-    for shard in array.addressable_shards:
-        shards.setdefault(shard.index[0].start or 0, shard)  # replicas of one row block hold the same rows
-    return np.concatenate([np.asarray(shards[start].data) for start in sorted(shards)])
 
 
 # ----- the stream wrappers ---------------------------------------------------------------------
