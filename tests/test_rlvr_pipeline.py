@@ -78,12 +78,13 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
     ray.init(num_cpus=3, include_dashboard=False, _metrics_export_port=port, log_to_driver=False,
              configure_logging=False)
     try:
-        with RLVRPipeline(tiny(tmp_path / "run")) as pipeline:
+        # two trainer processes (one jax.distributed job), each scheduling its own task of every batch
+        with RLVRPipeline(tiny(tmp_path / "run", trainers=2, trainer_cpus=0.5)) as pipeline:
             started = pipeline.start()
             assert not started["restored"] and started["step"] == 0
             rows = pipeline.step(2)
             assert [row["step"] for row in rows] == [1, 2] and len(rows[0]["tasks"]) == 2
-            assert rows[1]["scheduler/admitted_groups"] == 2 and rows[1]["scheduler/lag"] <= 1
+            assert rows[1]["scheduler/admitted_groups"] == 1 and rows[1]["scheduler/lag"] <= 1  # process 0's group
             rows += pipeline.step(5)  # only one update is left to reach steps=3
             assert [row["step"] for row in pipeline.rows] == [1, 2, 3]
             values = scrape(port, ["dew_update_step", "dew_policy_version", "dew_policy_lag",

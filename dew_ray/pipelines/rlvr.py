@@ -132,6 +132,9 @@ class RLVRPipelineConfig:
         if self.max_lag < self.ahead + self.sync_every - 1:
             raise ValueError(f"config field 'max_lag' ({self.max_lag}) must be at least ahead + sync_every - 1 "
                              f"= {self.ahead + self.sync_every - 1}: a first submission is that many updates stale")
+        if self.tasks_per_step % self.trainers:
+            raise ValueError(f"config field 'tasks_per_step' ({self.tasks_per_step}) must divide evenly over "
+                             f"trainers={self.trainers}: each trainer process trains on its own share of the tasks")
         if self.runner not in ("bwrap", "process"):
             raise ValueError(f"config field 'runner' must be 'bwrap' or 'process', got {self.runner!r}")
         if self.prompts is not None and not Path(self.prompts).is_file():
@@ -293,7 +296,8 @@ def _rlvr_job(setup: _Setup, params, servers: list, runners: list):
     objective = GRPOObjective(model, seq_len=setup.width - 1, pretrained=params, behavior_importance=2.0)
     records: list = []
     scheduler = RolloutScheduler(
-        objective, source, pool, width=setup.width, rows=config.tasks_per_step * config.samples, tasks=prompt_tasks,
+        objective, source, pool, width=setup.width, rows=config.tasks_per_step // config.trainers * config.samples,
+        tasks=prompt_tasks,
         groups=config.samples, max_lag=config.max_lag, ahead=config.ahead, sync_every=config.sync_every,
         truncation="score", log=records.append,
     )
@@ -479,14 +483,19 @@ class RLVRPipeline:
                 break
             results = step_group(self.trainers, 1)
             now = time.perf_counter()
+            reports = [process_metrics.pop("report", {}) for (process_metrics,) in results]
             (metrics,) = results[0]
-            report = metrics.pop("report", {})
-            scheduler = report.get("scheduler", {})
+            scheduler = reports[0].get("scheduler", {})  # process 0's record; each process keeps its own
+            tasks, verdicts = [], {}
+            for theirs in reports:  # every process trained its own share of the batch
+                tasks += theirs.get("tasks", [])
+                for verdict, count in theirs.get("verdicts", {}).items():
+                    verdicts[verdict] = verdicts.get(verdict, 0) + count
             wall = now - self._last
             self._last = now
             row = {"step": metrics["step"], "updates": metrics["updates"], "wall": wall,
-                   "waited": scheduler.pop("waited", None), "tasks": report.get("tasks", []),
-                   "verdicts": report.get("verdicts", {}), **{f"train/{k}": v for k, v in metrics.items()
+                   "waited": scheduler.pop("waited", None), "tasks": tasks,
+                   "verdicts": verdicts, **{f"train/{k}": v for k, v in metrics.items()
                                                                if k not in ("step", "updates")},
                    **{k if k.startswith("rollout/") else f"scheduler/{k}": v for k, v in scheduler.items()}}
             self.step_count = row["step"]
