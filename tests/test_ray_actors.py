@@ -196,3 +196,54 @@ def test_training_continues_when_a_rollout_server_is_killed_mid_batch(cluster, e
     assert records[1].resubmissions.get("infra_error", 0) >= 1  # the killed server's draws, drawn again
     assert pool.live() == [1] and pool.version == 2
     ray.kill(pool.servers[1].actor)
+
+
+def test_environment_workers_run_sessions_and_the_scheduler_trains_through_them(cluster, serving, sharp_decoder):
+    """Sessions of the multi-turn counting tool on two EnvironmentWorkers over one RolloutServerActor; then a
+    worker is killed with sessions running: they come back INFRA_ERROR and the survivor takes later ones."""
+    import sys
+
+    from ray import cloudpickle
+
+    import test_rollout_sources
+    from dew.objectives.rl.sessions import Status, Task
+    from dew_ray.actors import RemoteEnvironmentSource, start_environment_workers
+
+    cloudpickle.register_pickle_by_value(test_rollout_sources)  # the actors cannot import the tests
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    harness = test_rollout_sources.Harness()
+    model, served = sharp_decoder
+    pool = start_rollout_servers(serving, count=1, slots=4, capacity=64, version=0, num_cpus=0.5)
+    workers = start_environment_workers(2, pool, harness.environment, harness.verifier, num_cpus=0.25,
+                                        max_prompt_tokens=40, max_new_tokens=4, max_turns=4, workers=4, eos_ids=EOS)
+    source = RemoteEnvironmentSource(workers)
+    sessions = [f.result(120) for f in source.submit(Task("5", {"prompt_ids": [20, 21, 22], "turns": 3}), 2, 6)]
+    assert sorted(s.sample for s in sessions) == list(range(6))  # numbered within the group across workers
+    completed = [s for s in sessions if s.status is Status.COMPLETED]
+    assert completed, [(s.status, s.detail) for s in sessions]
+    assert all(len(s.calls) == 3 and s.reward == 3.0 for s in completed)
+    assert len({tuple(s.calls[0].sampled_ids) for s in sessions}) > 1  # no two samples share seeds
+
+    width = 32
+    objective = GRPOObjective(model, seq_len=width - 1, behavior_importance=2.0, pretrained=served)
+    records = []
+    scheduler = RolloutScheduler(objective, source, pool, width=width, rows=8,
+                                 tasks=lambda batch: [Task(str(i), {"prompt_ids": [20 + i % 7, 21], "turns": 2})
+                                                      for i in batch["task_id"]],
+                                 groups=4, max_lag=1, ahead=1, truncation="score", log=records.append)
+    trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0), rollout=scheduler, progress=False)
+    data = Dataset(train=lambda partition: ({"task_id": np.array([2 * i, 2 * i + 1])} for i in itertools.count()))
+    state = trainer.fit(scheduler.tasks(data), steps=2)
+    scheduler.close()
+    assert int(state.updates) == 2 and all(r.admitted_groups == 2 for r in records)
+    assert any(r.metrics["sessions/calls_per_chain"] > 1 for r in records)
+
+    gated = source.submit(Task("6", {"prompt_ids": [20, 21], "turns": 1, "fail": "gate"}), 0, 2)  # block in step
+    time.sleep(1.0)
+    ray.kill(workers[0])
+    statuses = sorted(f.result(120).status.name for f in gated)
+    assert "INFRA_ERROR" in statuses and source.live == 1
+    later = [f.result(120) for f in source.submit(Task("7", {"prompt_ids": [20, 21], "turns": 1}), 0, 2)]
+    assert all(s.status is not Status.INFRA_ERROR for s in later)
+    for actor in [workers[1], pool.servers[0].actor]:
+        ray.kill(actor)

@@ -1,5 +1,11 @@
-"""Ray actors over plain dew classes: rollout servers and their clients, sandbox runners."""
+"""Ray actors over plain dew classes: trainers, rollout servers, environment workers, sandbox runners."""
 
+from dew_ray.actors.environment import (
+    EnvironmentWorker,
+    EnvironmentWorkerHost,
+    RemoteEnvironmentSource,
+    start_environment_workers,
+)
 from dew_ray.actors.rollout import (
     RemoteRolloutServer,
     RolloutServerActor,
@@ -11,6 +17,10 @@ from dew_ray.actors.sandbox import RemoteFleet, SandboxRunnerActor, SandboxRunne
 from dew_ray.actors.trainer import TrainerActor, TrainerHost, TrainJob, start_trainer_group, step_group
 
 __all__ = [
+    "EnvironmentWorker",
+    "EnvironmentWorkerHost",
+    "RemoteEnvironmentSource",
+    "start_environment_workers",
     "RemoteFleet",
     "RemoteRolloutServer",
     "RolloutServerActor",

@@ -290,10 +290,12 @@ class EnvironmentSource(_PooledSource):
         self.environment, self.verifier = environment, verifier
         self.eos_ids = frozenset(int(i) for i in eos_ids)
 
-    def submit(self, task: Task, group: int, samples: int) -> list[Future]:
+    def submit(self, task: Task, group: int, samples: int, first_sample: int = 0) -> list[Future]:
+        """One session per sample, numbered from ``first_sample`` (a pool of sources splitting a group numbers
+        its share so that no two sessions share an identity or seeds)."""
         self._check_open()
         futures = []
-        for sample in range(samples):
+        for sample in range(first_sample, first_sample + samples):
             live = _Live()
             futures.append(self._track(self._pool.submit(self._run, task, group, sample, live), live))
         return futures

@@ -1,0 +1,142 @@
+"""Environment workers: EnvironmentSource sessions run across Ray actors.
+
+``EnvironmentWorker`` hosts an :class:`~dew.objectives.rl.EnvironmentSource` in a Ray
+worker process: its sessions enter their environments there (tool processes, sandboxes
+and their files stay on that actor's node) and submit each turn to the rollout servers
+(:class:`~dew_ray.actors.ServerPool` over the RolloutServerActors), so turns of
+sessions on every worker share the engines' batches. It is an async actor: a session
+waits in the actor's event loop while the source's threads run it.
+
+In the trainer process :class:`RemoteEnvironmentSource` is the SessionSource the
+RolloutScheduler talks to: each sample of a group goes to the worker with the fewest
+sessions in flight, numbered within the group so identities and seeds never repeat
+across workers; ``cancel`` reaches the session on its worker (mid-draw included). A
+worker that dies resolves its sessions as INFRA_ERROR, which the scheduler submits
+again, to the workers still alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import ray
+from ray.exceptions import RayActorError
+
+from dew.objectives.rl import EnvironmentSource
+from dew.objectives.rl.sessions import Session, SessionSource, Status, Task
+from dew_ray.actors.rollout import RemoteRolloutServer, ServerPool
+
+
+class EnvironmentWorkerHost:
+    """An EnvironmentSource over remote rollout servers; ``EnvironmentWorker`` is this class as a Ray actor.
+
+    ``servers``: (name, RolloutServerActor) pairs; ``environment``, ``verifier`` and
+    ``options`` are EnvironmentSource's (``max_prompt_tokens``, ``max_new_tokens``,
+    ``max_turns``, ``workers``, ``eos_ids``).
+    """
+
+    def __init__(self, servers: Sequence, environment: Callable, verifier: Callable, **options):
+        pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers])
+        self.source = EnvironmentSource(pool, environment, verifier, **options)
+        self._sessions: dict[str, Future] = {}
+        self._cancelled: set[str] = set()
+
+    async def run(self, key: str, task: Task, group: int, sample: int) -> Session:
+        """Run one session (sample ``sample`` of ``group``) and return it; ``key`` names it for ``cancel``."""
+        if key in self._cancelled:
+            self._cancelled.discard(key)
+            return Session(task=task, group=group, sample=sample, attempt=0, calls=[], status=Status.CANCELLED,
+                           detail="cancelled before it started")
+        (future,) = self.source.submit(task, group, 1, first_sample=sample)
+        self._sessions[key] = future
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            self._sessions.pop(key, None)
+
+    async def cancel(self, key: str) -> None:
+        future = self._sessions.get(key)
+        if future is None:
+            self._cancelled.add(key)
+        else:
+            self.source.cancel(future)
+
+    async def in_flight(self) -> int:
+        return len(self._sessions)
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.source.close)
+
+
+EnvironmentWorker = ray.remote(EnvironmentWorkerHost)
+
+
+def start_environment_workers(count: int, servers: ServerPool, environment: Callable, verifier: Callable,
+                              num_cpus: float = 0.5, actor_options: dict | None = None,
+                              **options) -> list:
+    """``count`` EnvironmentWorkers over the pool's rollout servers."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive integer, got {count!r}")
+    pairs = [(server.name, server.actor) for server in servers.servers]
+    return [EnvironmentWorker.options(num_cpus=num_cpus, **(actor_options or {}))
+            .remote(pairs, environment, verifier, **options) for _ in range(count)]
+
+
+class RemoteEnvironmentSource(SessionSource):
+    """The SessionSource over EnvironmentWorkers (see the module docstring)."""
+
+    def __init__(self, workers: Sequence):
+        self.workers = list(workers)
+        if not self.workers:
+            raise ValueError("RemoteEnvironmentSource needs at least one EnvironmentWorker")
+        self._lock = threading.Lock()
+        self._in_flight = [0] * len(self.workers)
+        self._dead: set[int] = set()
+        self._where: dict[Future, tuple[int, str]] = {}
+
+    def submit(self, task: Task, group: int, samples: int) -> list[Future]:
+        return [self._start(task, group, sample) for sample in range(samples)]
+
+    def _start(self, task: Task, group: int, sample: int) -> Future:
+        future: Future = Future()
+        with self._lock:
+            live = [i for i in range(len(self.workers)) if i not in self._dead]
+            if not live:
+                raise RuntimeError(f"every environment worker has died ({len(self.workers)} started)")
+            index = min(live, key=lambda i: self._in_flight[i])
+            self._in_flight[index] += 1
+            key = uuid.uuid4().hex
+            self._where[future] = (index, key)
+        ref = self.workers[index].run.remote(key, task, group, sample)
+        ref.future().add_done_callback(lambda done: self._finish(future, done, index, task, group, sample))
+        return future
+
+    def _finish(self, future: Future, done: Future, index: int, task: Task, group: int, sample: int) -> None:
+        with self._lock:
+            self._in_flight[index] -= 1
+            self._where.pop(future, None)
+        error = done.exception()
+        if error is None:
+            future.set_result(done.result())
+            return
+        if isinstance(error, RayActorError):
+            with self._lock:
+                self._dead.add(index)
+        # The session never reached a verdict of the policy: an infrastructure failure, submitted again.
+        future.set_result(Session(task=task, group=group, sample=sample, attempt=0, calls=[],
+                                  status=Status.INFRA_ERROR, detail=f"environment worker {index} failed: {error}"))
+
+    def cancel(self, future: Future) -> None:
+        with self._lock:
+            where = self._where.get(future)
+        if where is not None:
+            index, key = where
+            self.workers[index].cancel.remote(key)
+
+    @property
+    def live(self) -> int:
+        return len(self.workers) - len(self._dead)
