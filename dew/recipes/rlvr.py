@@ -43,12 +43,18 @@ def sandbox_runner(name: str):
 
 def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, steps: int, batch: int,
                learning_rate: float, key, seed: int = 0, output_dir=None, progress: bool = True):
-    """SFT on the tasks' demonstrations (answers only, ``steps`` updates); returns the variables in host memory.
+    """SFT on the tasks' demonstrations (answers only, ``steps`` updates of AdamW with a warmup-cosine schedule
+    peaking at ``learning_rate`` and gradients clipped at norm 1); returns the variables in host memory.
 
     With ``steps=0`` the decoder's initialisation is returned untouched.
     """
+    # A high peak rate reaches a useful policy in few steps; warmup and clipping keep it from diverging.
+    warmup = min(20, steps // 4)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1),
+                                                  learning_rate / 10)
     trainer = Trainer(LMObjective(model, seq_len=width - 1, ema_decay=None, loss_role=Role.ASSISTANT),
-                      optax.adamw(learning_rate), key=key, progress=progress, output_dir=output_dir)
+                      optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)), key=key,
+                      progress=progress, output_dir=output_dir)
     if steps:
         demos = demonstration_dataset(tokenizer, tasks, seq_len=width - 1, batch=batch, seed=seed)
         params = trainer.fit(demos, steps=steps, log_every=steps).params

@@ -69,8 +69,8 @@ class RLVRPipelineConfig:
     server's concurrent draws; sandbox_workers: programs each runner runs at once;
     runner: "bwrap" or "process" (trusted code only); tasks_per_step: prompts per
     update; samples: completions per prompt; max_new_tokens: the response budget;
-    max_lag, ahead, sync_every: the scheduler's schedule; learning_rate: GRPO's Adam
-    step; sft_steps, sft_batch, sft_learning_rate: the warm start; train_tasks,
+    max_lag, ahead, sync_every: the scheduler's schedule; learning_rate, clip: GRPO's
+    Adam step and gradient-norm clip; sft_steps, sft_batch, sft_learning_rate: the warm start; train_tasks,
     eval_tasks, eval_samples: built-in task counts and the held-out measurement;
     prompts: a verl-style Parquet/JSONL file instead of the built-in tasks;
     checkpoint_every: updates between checkpoints; progress: the driver's progress bar.
@@ -85,22 +85,23 @@ class RLVRPipelineConfig:
     trainer_cpus: float = 1.0
     server_cpus: float = 1.0
     sandbox_cpus: float = 0.25
-    slots: int = 32
+    slots: int = 64
     sandbox_workers: int = 2
     runner: str = "bwrap"
     tasks_per_step: int = 8
     samples: int = 8
-    max_new_tokens: int = 64
+    max_new_tokens: int = 32
     max_lag: int = 1
     ahead: int = 1
     sync_every: int = 1
-    learning_rate: float = 1e-3
-    sft_steps: int = 150
+    learning_rate: float = 3e-4
+    clip: float = 1.0
+    sft_steps: int = 300
     sft_batch: int = 32
-    sft_learning_rate: float = 3e-3
+    sft_learning_rate: float = 1e-2
     train_tasks: int = 2000
     eval_tasks: int = 64
-    eval_samples: int = 2
+    eval_samples: int = 4
     prompts: str | None = None
     checkpoint_every: int = 5
     progress: bool = True
@@ -121,7 +122,7 @@ class RLVRPipelineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"config field {name!r} must be at least 1, got {getattr(self, name)!r}")
-        for name in ("trainer_cpus", "server_cpus", "sandbox_cpus", "learning_rate", "sft_learning_rate"):
+        for name in ("trainer_cpus", "server_cpus", "sandbox_cpus", "learning_rate", "clip", "sft_learning_rate"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"config field {name!r} must be positive, got {getattr(self, name)!r}")
         for name in ("max_lag", "ahead", "sft_steps"):
@@ -309,7 +310,8 @@ def _rlvr_job(setup: _Setup, params, servers: list, runners: list):
 
     prompts = Prompts(records=setup.rows, tokenizer=tokenizer, max_prompt_len=setup.prompt_len,
                       loading=Loading(seed=config.seed)).load(batch=config.tasks_per_step)
-    trainer = Trainer(objective, optax.adam(config.learning_rate), key=jax.random.fold_in(jax.random.key(config.seed), 2),
+    optimizer = optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(config.learning_rate))
+    trainer = Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
                       rollout=rollout, progress=False, output_dir=str(Path(config.run_dir) / "grpo"))
 
     def report() -> dict:

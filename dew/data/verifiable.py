@@ -1,0 +1,353 @@
+"""Built-in verifiable tasks for RLVR: arithmetic checked by MathReward, small programs run by CodeReward.
+
+Demos, tests and benches need tasks whose completions a program can check, a
+tokenizer and a warm-start corpus, without downloading anything. This module makes
+them procedurally from a seed:
+
+- ``math`` (data source ``dew/arithmetic``): "What is seven plus five?" answered
+  `` \\boxed{12}``: a plus, minus or times b for a, b in 0..9 (300 problems). The
+  ground truth is the answer as an integer string, which
+  :class:`~dew.sandbox.MathReward` compares with the last ``\\boxed{}`` of a completion.
+- ``code`` (data source ``dew/expression_code``): "Given a, b: print their product
+  plus three." answered with a fenced one-line python program, ``print(a*b+3)``.
+  The ground truth is a JSON list of three ``{"stdin", "stdout"}`` cases, which
+  :class:`~dew.sandbox.CodeReward` checks in a :class:`~dew.sandbox.SandboxFleet`: the
+  block is written to ``main.py`` and run by :data:`CODE_HARNESS`, which reads ``a b``
+  from stdin and then executes it (the harness keeps the program to one line, short
+  enough for a tiny decoder). There are 125 specifications (five aggregates of a and
+  b, each bare or plus, minus or times a number 2..9).
+
+Numbers in prompts are words ("seven", not "7"): in a short warm start a tiny decoder
+learns to read a word of several characters long before it learns to copy a lone
+digit, and without reading the prompt its reward stays near zero.
+
+Both tables are small, so tasks drawn from two seeds share many prompts (code tasks
+still differ in their test cases); :func:`shared_prompts` counts them. Fresh draws
+measure the task distribution, not generalisation to unseen problems.
+
+A :class:`VerifiableTask` gives its verl-style row (``data_source``, ``prompt``,
+``reward_model.ground_truth``, ``extra_info``; :class:`~dew.data.Prompts` reads it with
+:func:`task_tokenizer`) and its demonstration (prompt and the reference completion)
+for supervised warm starts (:func:`demonstration_dataset`). :func:`verifiable_reward`
+routes a completion to the family's reward by ``data_source``.
+
+The tokenizer is character-level over printable ASCII and newline (98 ids): the task
+alphabet is small and fixed, so nothing needs training. It is not meant for other text.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import random
+import string
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dew.data.chat import Role
+from dew.data.dataset import Dataset, Partition
+from dew.data.loading import Loading, RecordStream, batches_per_epoch, local_rows
+from dew.data.packing import pack_documents
+
+# transformers announces at import that torch is absent; dew uses it for tokenizers only.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+MATH_SOURCE = "dew/arithmetic"
+CODE_SOURCE = "dew/expression_code"
+FAMILIES = {"math": MATH_SOURCE, "code": CODE_SOURCE}
+
+EOS_TOKEN = "<|endoftext|>"
+UNK_TOKEN = "<|unk|>"
+# Printable ASCII less the whitespace a task never writes; newline stays for code.
+ALPHABET = tuple(c for c in string.printable if c not in "\t\r\x0b\x0c")
+
+# What a code task's words mean: (phrase, expression of a and b, whether it needs
+# parentheses before a "*k").
+_AGGREGATES = (
+    ("their sum", "a+b", True),
+    ("their difference a-b", "a-b", True),
+    ("their product", "a*b", False),
+    ("the larger", "max(a,b)", False),
+    ("the smaller", "min(a,b)", False),
+)
+_MODIFIERS = (("plus", "+"), ("minus", "-"), ("times", "*"))
+_OPERATOR_WORDS = {"+": "plus", "-": "minus", "*": "times"}
+# Numbers in prompts are words (see the module docstring).
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+CODE_CASES = 3
+# How a code completion runs: its block is main.py, executed with a and b read from stdin.
+CODE_HARNESS = ("python3", "-c", "a,b=map(int,input().split());exec(open('main.py').read())")
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifiableTask:
+    """One generated task.
+
+    family: "math" or "code"; data_source: the reward route (``MATH_SOURCE`` or
+    ``CODE_SOURCE``); prompt: the text the model continues; answer: a reference
+    completion that scores 1.0; ground_truth: what the family's reward reads;
+    extra_info: the task's parameters (operands, operator, specification, index).
+    """
+
+    family: str
+    data_source: str
+    prompt: str
+    answer: str
+    ground_truth: str
+    extra_info: Mapping[str, Any]
+
+    def row(self) -> dict[str, Any]:
+        """The task as a verl-style row, as :class:`~dew.data.Prompts` reads it."""
+        return {
+            "data_source": self.data_source,
+            "prompt": self.prompt,
+            "ability": self.family,
+            "reward_model": {"style": "rule", "ground_truth": self.ground_truth},
+            "extra_info": dict(self.extra_info),
+        }
+
+
+def math_task(rng: random.Random, index: int = 0) -> VerifiableTask:
+    """An arithmetic task drawn from ``rng``: a plus, minus or times b, operands 0..9 written as words."""
+    op = rng.choice("+-*")
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    words = f"{NUMBER_WORDS[a]} {_OPERATOR_WORDS[op]} {NUMBER_WORDS[b]}"
+    return VerifiableTask(
+        family="math", data_source=MATH_SOURCE, prompt=f"What is {words}?", answer=f" \\boxed{{{value}}}",
+        ground_truth=str(value), extra_info={"index": index, "a": a, "b": b, "op": op},
+    )
+
+
+def code_specification(aggregate: int, modifier: int | None, k: int) -> tuple[str, str]:
+    """(words, python expression) of one code specification; ``modifier`` None for a bare aggregate."""
+    words, expression, grouped = _AGGREGATES[aggregate]
+    if modifier is None:
+        return words, expression
+    name, symbol = _MODIFIERS[modifier]
+    if symbol == "*" and grouped:
+        expression = f"({expression})"
+    return f"{words} {name} {NUMBER_WORDS[k]}", f"{expression}{symbol}{k}"
+
+
+def code_task(rng: random.Random, index: int = 0) -> VerifiableTask:
+    """A code task drawn from ``rng``: a one-line program printing an expression of ``a`` and ``b`` (three cases)."""
+    aggregate = rng.randrange(len(_AGGREGATES))
+    modifier = None if rng.random() < 0.2 else rng.randrange(len(_MODIFIERS))
+    k = rng.randint(2, 9)
+    words, expression = code_specification(aggregate, modifier, k)
+    cases = []
+    for _ in range(CODE_CASES):
+        a, b = rng.randint(-20, 50), rng.randint(-20, 50)
+        value = eval(expression, {"max": max, "min": min}, {"a": a, "b": b})  # our own expression, not input
+        cases.append({"stdin": f"{a} {b}\n", "stdout": f"{value}\n"})
+    return VerifiableTask(
+        family="code", data_source=CODE_SOURCE, prompt=f"Given a, b: print {words}.\n",
+        answer=f"```python\nprint({expression})\n```", ground_truth=json.dumps(cases),
+        extra_info={"index": index, "expression": expression},
+    )
+
+
+_MAKERS: dict[str, Callable[[random.Random, int], VerifiableTask]] = {"math": math_task, "code": code_task}
+
+
+def verifiable_tasks(count: int, seed: int = 0, families: Sequence[str] = ("math", "code")) -> list[VerifiableTask]:
+    """``count`` tasks, the same for the same seed, cycling through ``families`` in order.
+
+    Cycling (rather than drawing the family) keeps every window of ``len(families)``
+    consecutive tasks balanced, so batches read in order have a fixed mix.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive integer, got {count!r}")
+    if isinstance(families, str) or not families:
+        raise ValueError(f"families must be a non-empty sequence of names from {sorted(_MAKERS)}, got {families!r}")
+    if len(set(families)) != len(families):
+        raise ValueError(f"families must not repeat a name, got {families!r}")
+    unknown = [f for f in families if f not in _MAKERS]
+    if unknown:
+        raise ValueError(f"unknown task families {unknown}; the built-in ones are {sorted(_MAKERS)}")
+    rng = random.Random(seed)
+    return [_MAKERS[families[i % len(families)]](rng, i) for i in range(count)]
+
+
+def shared_prompts(tasks: Sequence[VerifiableTask], train: Sequence[VerifiableTask]) -> int:
+    """How many of ``tasks`` ask a prompt that also occurs in ``train`` (the tables are small: module docstring)."""
+    seen = {task.prompt for task in train}
+    return sum(task.prompt in seen for task in tasks)
+
+
+def task_rows(tasks: Sequence[VerifiableTask]) -> list[dict[str, Any]]:
+    """The tasks as verl-style rows (:meth:`VerifiableTask.row`)."""
+    return [task.row() for task in tasks]
+
+
+# ----- tokenizer --------------------------------------------------------------------------------
+
+
+def task_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` over :data:`ALPHABET`.
+
+    Id 0 is ``<|endoftext|>`` (end of sequence, beginning of sequence and padding), id
+    1 is ``<|unk|>`` for any character outside the alphabet, and ids 2.. are the
+    characters in ``ALPHABET`` order (98 ids in all). Decoding concatenates characters.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {EOS_TOKEN: 0, UNK_TOKEN: 1, **{char: 2 + i for i, char in enumerate(ALPHABET)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+    )
+
+
+# ----- warm start -------------------------------------------------------------------------------
+
+
+def demonstration_documents(tokenizer, tasks: Sequence[VerifiableTask]) -> tuple[list[list[int]], list[list[int]]]:
+    """(ids, roles) per task: the prompt as USER, the reference answer and EOS as ASSISTANT."""
+    documents, roles = [], []
+    for task in tasks:
+        prompt = tokenizer.encode(task.prompt, add_special_tokens=False)
+        answer = tokenizer.encode(task.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        documents.append(prompt + answer)
+        roles.append([int(Role.USER)] * len(prompt) + [int(Role.ASSISTANT)] * len(answer))
+    return documents, roles
+
+
+def demonstration_dataset(tokenizer, tasks: Sequence[VerifiableTask], seq_len: int, batch: int,
+                          seed: int = 0) -> Dataset:
+    """The tasks' demonstrations packed into ``[batch, seq_len + 1]`` rows for an SFT warm start.
+
+    Rows carry ``text``, ``text_segment_ids``, ``text_positions`` and ``text_roles``;
+    train with ``LMObjective(..., loss_role=Role.ASSISTANT)`` to learn the answers
+    only. The stream reshuffles rows every epoch from ``seed``; there is no validation
+    split (measure the reward instead).
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive integer, got {batch!r}")
+    documents, roles = demonstration_documents(tokenizer, tasks)
+    longest = max(len(d) for d in documents)
+    if longest > seq_len + 1:
+        raise ValueError(f"a demonstration has {longest} ids; seq_len + 1 = {seq_len + 1} cannot hold it")
+    # Longest first, so next-fit packing fills rows with the short (math) documents after the long ones.
+    order = sorted(range(len(documents)), key=lambda i: -len(documents[i]))
+    rows = pack_documents([documents[i] for i in order], seq_len + 1, pad_id=tokenizer.pad_token_id,
+                          roles=[roles[i] for i in order])
+    loading = Loading(seed=seed)
+
+    def train(partition: Partition) -> RecordStream:
+        local = local_rows(batch, partition, "demonstration_dataset")
+        mine = {name: column[partition.index :: partition.count] for name, column in rows.items()}
+        per_epoch = batches_per_epoch(len(rows["text"]), batch, partition, "demonstration_dataset")
+        return RecordStream(mine, local, per_epoch, loading)
+
+    return Dataset(train=train, val=None, records=len(rows["text"]), batch=batch)
+
+
+# ----- rewards ----------------------------------------------------------------------------------
+
+
+class RoutedReward:
+    """A reward that hands each completion to the reward registered for its ``data_source``.
+
+    ``routes`` maps data sources to rewards with the signature
+    ``(data_source, completion, ground_truth, extra_info) -> float``. An unknown data
+    source raises ValueError naming the known ones (a dataset bug, not a model failure).
+    """
+
+    def __init__(self, routes: Mapping[str, Callable[[str, str, str, str], float]]):
+        if not isinstance(routes, Mapping) or not routes:
+            raise ValueError(f"routes must be a non-empty mapping of data_source -> reward, got {routes!r}")
+        for source, reward in routes.items():
+            if not isinstance(source, str) or not callable(reward):
+                raise TypeError(f"routes must map data_source strings to callables, got {source!r}: {reward!r}")
+        self.routes = dict(routes)
+
+    def __call__(self, data_source: str, completion: str, ground_truth: str, extra_info: str) -> float:
+        reward = self.routes.get(data_source)
+        if reward is None:
+            raise ValueError(f"no reward for data_source {data_source!r}; known: {sorted(self.routes)}")
+        return reward(data_source, completion, ground_truth, extra_info)
+
+    def __repr__(self) -> str:
+        return f"RoutedReward({self.routes!r})"
+
+
+class CachedCodeReward:
+    """A CodeReward that runs each distinct program once per ground truth and reuses its score.
+
+    Samples of one group often write the same program (a small policy becomes sharp
+    quickly), and running it again would only repeat the same test cases. The key is
+    the completion's last python block and the ground truth, so completions that
+    differ outside the block share a score. This assumes the programs are
+    deterministic, as the built-in tasks' are; a program that timed out once keeps its
+    score. ``size`` bounds the entries kept (the oldest go first).
+    """
+
+    def __init__(self, reward, size: int = 4096):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive integer, got {size!r}")
+        if not callable(reward):
+            raise TypeError(f"reward must be callable, got {reward!r}")
+        self.reward, self.size = reward, size
+        self._scores: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def __call__(self, data_source: str, completion: str, ground_truth: str, extra_info: str) -> float:
+        from dew.sandbox.rewards import last_python_block
+
+        block = last_python_block(completion) if isinstance(completion, str) else None
+        if block is None:  # nothing would run: no need to remember it
+            return self.reward(data_source, completion, ground_truth, extra_info)
+        key = (block, ground_truth)
+        with self._lock:
+            if key in self._scores:
+                self._scores.move_to_end(key)
+                self.hits += 1
+                return self._scores[key]
+            self.misses += 1
+        score = self.reward(data_source, completion, ground_truth, extra_info)  # outside the lock: it waits on programs
+        with self._lock:
+            self._scores[key] = score
+            while len(self._scores) > self.size:
+                self._scores.popitem(last=False)
+        return score
+
+    def __repr__(self) -> str:
+        return f"CachedCodeReward({self.reward!r}, size={self.size})"
+
+
+def verifiable_reward(fleet, all_or_nothing: bool = False, cache: bool = True) -> RoutedReward:
+    """The built-in families' reward: MathReward for ``MATH_SOURCE``, CodeReward on ``fleet`` for ``CODE_SOURCE``.
+
+    Code completions run under :data:`CODE_HARNESS`; with ``cache`` each distinct
+    program runs once per task (:class:`CachedCodeReward`). ``fleet`` is a
+    :class:`~dew.sandbox.SandboxFleet` (or anything with ``map``); ``all_or_nothing``
+    makes a code task score 1.0 only when every case passes (otherwise it scores the
+    share of cases passed).
+    """
+    from dew.sandbox.rewards import CodeReward, MathReward
+
+    code = CodeReward(fleet, all_or_nothing=all_or_nothing, argv=CODE_HARNESS)
+    return RoutedReward({MATH_SOURCE: MathReward(), CODE_SOURCE: CachedCodeReward(code) if cache else code})
+
+
+def mean_by_family(tasks: Sequence[VerifiableTask], rewards: Sequence[float]) -> dict[str, float]:
+    """Mean reward per family and overall (``"all"``) for rewards aligned with ``tasks``."""
+    if len(tasks) != len(rewards) or not tasks:
+        raise ValueError(f"need one reward per task and at least one task, got {len(rewards)} for {len(tasks)}")
+    values = np.asarray(rewards, np.float64)
+    out = {"all": float(values.mean())}
+    for family in sorted({t.family for t in tasks}):
+        out[family] = float(values[[t.family == family for t in tasks]].mean())
+    return out

@@ -1,0 +1,381 @@
+"""Asynchronous RLVR on the built-in verifiable tasks: SFT warm start, then GRPO through RolloutScheduler.
+
+    uv run python examples/train_rlvr.py [--steps 40] [--seed 0] [--max-lag 1] [--ahead 1] [--output-dir DIR]
+
+What it does, all in this process on CPU:
+
+1. builds the built-in tasks of :mod:`dew.data.verifiable` (arithmetic checked by
+   MathReward, one-line programs run by CodeReward in a SandboxFleet), their
+   character-level tokenizer and a tiny decoder (:mod:`dew.models`, 0.34M parameters);
+2. warm-starts the decoder with a short SFT on the tasks' demonstrations
+   (LMObjective on the answers only), enough for a non-zero reward, far from a perfect one;
+3. measures the mean reward on evaluation tasks, fresh draws from another seed
+   (the task tables are small, so most of their prompts also occur in training; see
+   :mod:`dew.data.verifiable`), sampling at temperature 1 through the rollout server
+   with fixed seeds;
+4. trains GRPO (:class:`~dew.objectives.rl.GRPOObjective`) with a
+   :class:`~dew.objectives.rl.scheduler.RolloutScheduler` over a
+   :class:`~dew.objectives.rl.PromptSource` on a
+   :class:`~dew.inference.NativeRolloutServer`, ``truncation="score"``: each batch's
+   rollouts run on the server's thread while the trainer updates on the batch before,
+   ``ahead`` batches ahead, each at most ``max_lag`` updates stale;
+5. measures the evaluation reward again with the same seeds, and reports the share of
+   the trainer's wall time after its first update spent waiting for rollouts.
+
+``run(RLVRConfig(...)) -> RLVRResult`` is the importable core (bench/rlvr_async.py and
+tests/test_train_rlvr.py use it). Programs run in bubblewrap (``runner="bwrap"``, the
+default); ``runner="process"`` uses ProcessRunner, which isolates nothing and is only
+for trusted completions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dew import Trainer
+from dew.data import Loading, Prompts
+from dew.data.verifiable import (
+    VerifiableTask,
+    shared_prompts,
+    task_rows,
+    task_tokenizer,
+    verifiable_reward,
+    verifiable_tasks,
+)
+from dew.inference import NativeRolloutServer, Server
+from dew.objectives.rl import GRPOObjective, PromptSource
+from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord, prompt_tasks
+from dew.sampling import Sampling
+from dew.recipes import rlvr
+from dew.recipes.rlvr import RUNNERS, SANDBOX_LIMITS, decoder, measure_reward, sandbox_runner
+from dew.sandbox import SandboxFleet
+EVAL_SEED_OFFSET = 1_000_000  # evaluation tasks come from their own stream of seeds
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLVRConfig:
+    """Options of one run; checked when built.
+
+    steps: GRPO updates; seed: tasks, initialisation, SFT order and sampling seeds;
+    max_lag, ahead, sync_every: the scheduler's staleness bound, batches submitted
+    ahead of the one trained on, and updates between weight pushes (max_lag must be
+    at least ahead + sync_every - 1); tasks_per_step: prompts per GRPO batch;
+    samples: completions per prompt (the group size); sft_steps, sft_batch,
+    sft_learning_rate: the warm start; learning_rate: GRPO's Adam step;
+    train_tasks: tasks the SFT demonstrations and GRPO prompts come from;
+    eval_tasks, eval_samples: the evaluation measurement; max_new_tokens: the response
+    budget; slots: the rollout server's concurrent requests; sandbox_workers: programs
+    run at once; runner: "bwrap" (bubblewrap) or "process" (trusted code only);
+    output_dir: where metrics, checkpoints and result.json go (None: nowhere);
+    progress: show the trainers' progress bars.
+    """
+
+    steps: int = 40
+    seed: int = 0
+    max_lag: int = 1
+    ahead: int = 1
+    sync_every: int = 1
+    tasks_per_step: int = 8
+    samples: int = 8
+    sft_steps: int = 300
+    sft_batch: int = 32
+    sft_learning_rate: float = 1e-2
+    learning_rate: float = 3e-4
+    clip: float = 1.0
+    train_tasks: int = 2000
+    eval_tasks: int = 64
+    eval_samples: int = 4
+    max_new_tokens: int = 32
+    slots: int = 64
+    sandbox_workers: int = 2
+    runner: str = "bwrap"
+    output_dir: str | None = None
+    progress: bool = True
+
+    def __post_init__(self):
+        positive = ("steps", "tasks_per_step", "sft_batch", "train_tasks", "eval_tasks", "eval_samples",
+                    "max_new_tokens", "slots", "sandbox_workers", "sync_every")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, low in (("max_lag", 0), ("ahead", 0), ("sft_steps", 0), ("samples", 2), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("learning_rate", "sft_learning_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                raise ValueError(f"{name} must be a number in (0, 1), got {value!r}")
+        if self.max_lag < self.ahead + self.sync_every - 1:
+            raise ValueError(f"max_lag must be at least ahead + sync_every - 1 = {self.ahead + self.sync_every - 1}, "
+                             f"got {self.max_lag}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.train_tasks < self.tasks_per_step:
+            raise ValueError(f"train_tasks ({self.train_tasks}) must fill at least one batch of "
+                             f"tasks_per_step={self.tasks_per_step}")
+
+
+@dataclasses.dataclass
+class RLVRResult:
+    """What a run measured.
+
+    reward_before, reward_after: mean evaluation reward after SFT and after GRPO (same
+    tasks, same sampling seeds); family_before, family_after: the same per family;
+    wait_share: seconds the trainer waited for rollouts after its first update over
+    the wall time from then to the end of GRPO; waited, rl_after_first_seconds: those two
+    numbers; records: the scheduler's record of every call; train_rewards: the mean
+    reward of each batch trained on; trained_sessions: how many rollouts each update
+    trained on (admitted groups times samples when every group is whole); seconds: wall
+    time by phase ("sft", 0 when given a warm start, "eval_before", "grpo",
+    "eval_after", "total"); parameters: the decoder's size; shared_prompts: how many
+    evaluation prompts also occur among the training tasks.
+    """
+
+    config: RLVRConfig
+    reward_before: float
+    reward_after: float
+    family_before: dict[str, float]
+    family_after: dict[str, float]
+    wait_share: float
+    waited: float
+    rl_after_first_seconds: float
+    records: list[SchedulerRecord]
+    train_rewards: list[float]
+    trained_sessions: list[int]
+    seconds: dict[str, float]
+    parameters: int
+    shared_prompts: int
+
+    def summary(self) -> dict:
+        """The result as JSON-ready values (records reduced to their main numbers)."""
+        return {
+            "config": dataclasses.asdict(self.config),
+            "reward_before": self.reward_before, "reward_after": self.reward_after,
+            "family_before": self.family_before, "family_after": self.family_after,
+            "wait_share": self.wait_share, "waited": self.waited,
+            "rl_after_first_seconds": self.rl_after_first_seconds,
+            "train_rewards": self.train_rewards, "trained_sessions": self.trained_sessions,
+            "seconds": self.seconds, "parameters": self.parameters, "shared_prompts": self.shared_prompts,
+            "records": [{"version": r.version, "lag": r.lag, "admitted_groups": r.admitted_groups,
+                         "resubmissions": r.resubmissions, "cut_groups": r.cut_groups,
+                         "abandoned_groups": r.abandoned_groups, "waited": r.waited, "pushed": r.pushed}
+                        for r in self.records],
+        }
+
+
+# ----- pieces --------------------------------------------------------------------------------
+
+
+def _fleet(config: RLVRConfig) -> SandboxFleet:
+    return SandboxFleet(sandbox_runner(config.runner), limits=SANDBOX_LIMITS, workers=config.sandbox_workers)
+
+
+def _output(config: RLVRConfig) -> Path | None:
+    if config.output_dir is None:
+        return None
+    out = Path(config.output_dir)
+    if out.exists() and any(out.iterdir()):
+        # The trainers resume from checkpoints they find there, which would skip this run's training.
+        raise ValueError(f"output_dir {out} is not empty; give a new or empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+# ----- the run -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class WarmStart:
+    """The SFT-trained starting point of a run: tasks, tokenizer, decoder and its variables (host arrays).
+
+    train: the tasks SFT and GRPO read; held_out: the evaluation tasks (another seed's
+    draws); width: the packed row width (longest prompt plus the response budget); seconds: the SFT's wall time.
+    """
+
+    config: RLVRConfig
+    tokenizer: object
+    train: list[VerifiableTask]
+    held_out: list[VerifiableTask]
+    model: object
+    width: int
+    params: object
+    seconds: float
+
+
+def warm_start(config: RLVRConfig, output_dir: Path | None = None) -> WarmStart:
+    """Build the tasks and the decoder and run the SFT warm start on the demonstrations (answers only)."""
+    started = time.perf_counter()
+    tokenizer = task_tokenizer()
+    train = verifiable_tasks(config.train_tasks, seed=config.seed)
+    held_out = verifiable_tasks(config.eval_tasks, seed=EVAL_SEED_OFFSET + config.seed)
+    prompt_len = max(len(tokenizer.encode(t.prompt, add_special_tokens=False)) for t in train + held_out)
+    width = prompt_len + config.max_new_tokens  # one chain: the prompt, then the response
+    model = decoder(len(tokenizer), max_seq_len=width)
+    params = rlvr.warm_start(model, tokenizer, train, width, config.sft_steps, config.sft_batch,
+                             config.sft_learning_rate, key=jax.random.fold_in(jax.random.key(config.seed), 1),
+                             seed=config.seed, output_dir=output_dir, progress=config.progress)
+    return WarmStart(config=config, tokenizer=tokenizer, train=train, held_out=held_out, model=model, width=width,
+                     params=params, seconds=time.perf_counter() - started)
+
+
+def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLVRResult:
+    """SFT warm start, evaluation reward, GRPO through the scheduler, evaluation reward again (module docstring).
+
+    ``warm``: a :func:`warm_start` to begin from instead of running one (the bench gives
+    both of its runs the same); it must come from a config with the same seed, tasks,
+    SFT and budget, which is checked.
+    """
+    if not isinstance(config, RLVRConfig):
+        raise TypeError(f"run needs an RLVRConfig, got {type(config).__name__}")
+    if warm is not None:
+        fields = ("seed", "train_tasks", "eval_tasks", "max_new_tokens", "sft_steps", "sft_batch", "sft_learning_rate")
+        differ = [f for f in fields if getattr(warm.config, f) != getattr(config, f)]
+        if differ:
+            raise ValueError(f"the warm start was made with other {differ} than this config")
+    out = _output(config)
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    if warm is None:
+        warm = warm_start(config, None if out is None else out / "sft")
+        seconds["sft"] = warm.seconds
+    else:
+        seconds["sft"] = 0.0
+    tokenizer, train, held_out, model, width, params = (warm.tokenizer, warm.train, warm.held_out, warm.model,
+                                                        warm.width, warm.params)
+    prompt_len = width - config.max_new_tokens
+    parameters = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    key = jax.random.key(config.seed)
+    fleet = _fleet(config)
+    reward = verifiable_reward(fleet)
+
+    sampling = Sampling(eos_id=tokenizer.eos_token_id, temperature=1.0)
+    server = NativeRolloutServer(Server(model, params, sampling, slots=config.slots, capacity=width), version=0)
+    source = PromptSource(server, reward, decode=tokenizer.decode, max_new_tokens=config.max_new_tokens,
+                          eos_ids=(tokenizer.eos_token_id,), workers=max(2, config.sandbox_workers))
+    try:
+        mark = time.perf_counter()
+        eval_seed = config.seed + 1
+        before = measure_reward(server, reward, tokenizer, held_out, config.eval_samples, config.max_new_tokens,
+                                eval_seed)
+        seconds["eval_before"] = time.perf_counter() - mark
+
+        # 2. GRPO through the scheduler. Each chain is at most one row, so tasks_per_step * samples rows
+        # always hold a batch: no group is ever cut for room.
+        mark = time.perf_counter()
+        objective = GRPOObjective(model, seq_len=width - 1, pretrained=params, behavior_importance=2.0)
+        records: list[SchedulerRecord] = []
+        scheduler = RolloutScheduler(
+            objective, source, server, width=width, rows=config.tasks_per_step * config.samples, tasks=prompt_tasks,
+            groups=config.samples, max_lag=config.max_lag, ahead=config.ahead, sync_every=config.sync_every,
+            truncation="score", log=records.append,
+        )
+        entered: list[float] = []
+
+        trained: list[int] = []
+
+        def rollout(batch, variables, version, rollout_key):
+            entered.append(time.perf_counter())  # call i + 1 starts when update i has finished
+            out = scheduler(batch, variables, version, rollout_key)
+            sessions = set() if out is None else set(out["session_index"][out["response_mask"] != 0].tolist())
+            trained.append(len(sessions))
+            return out
+
+        # In file order the families alternate, so every batch (of an even size) holds both equally
+        # and the training reward of one batch compares with the next.
+        prompts = Prompts(records=task_rows(train), tokenizer=tokenizer, max_prompt_len=prompt_len,
+                          loading=Loading(shuffle=False)).load(batch=config.tasks_per_step)
+        grpo = Trainer(objective, optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(config.learning_rate)),
+                       key=jax.random.fold_in(key, 2), rollout=rollout,
+                       progress=config.progress, output_dir=None if out is None else out / "grpo")
+        try:
+            state = grpo.fit(scheduler.tasks(prompts), steps=config.steps, log_every=max(1, config.steps // 4))
+        finally:
+            scheduler.close()
+        finished = time.perf_counter()
+        seconds["grpo"] = finished - mark
+        waited = sum(r.waited for r in records[1:])
+        after_first = finished - entered[1] if len(entered) > 1 else 0.0
+        share = waited / after_first if after_first > 0 else float("nan")
+
+        # 3. The final weights (the scheduler pushed only those it sampled from) and the same measurement.
+        mark = time.perf_counter()
+        server.load(jax.tree.map(jnp.copy, state.params), int(state.updates))
+        after = measure_reward(server, reward, tokenizer, held_out, config.eval_samples, config.max_new_tokens,
+                               eval_seed)
+        seconds["eval_after"] = time.perf_counter() - mark
+    finally:
+        source.close()
+        server.close()
+        fleet.close()
+    seconds["total"] = time.perf_counter() - started
+    result = RLVRResult(
+        config=config, reward_before=before["all"], reward_after=after["all"], family_before=before,
+        family_after=after, wait_share=share, waited=waited, rl_after_first_seconds=after_first, records=records,
+        train_rewards=[r.metrics.get("reward/mean", float("nan")) for r in records], trained_sessions=trained,
+        seconds=seconds, parameters=parameters, shared_prompts=shared_prompts(held_out, train),
+    )
+    if out is not None:
+        (out / "result.json").write_text(json.dumps(result.summary(), indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=RLVRConfig.steps, help="GRPO updates")
+    parser.add_argument("--seed", type=int, default=RLVRConfig.seed)
+    parser.add_argument("--max-lag", type=int, default=RLVRConfig.max_lag,
+                        help="updates a rollout may lag the trainer (>= ahead + sync_every - 1)")
+    parser.add_argument("--ahead", type=int, default=RLVRConfig.ahead, help="batches submitted ahead of training")
+    parser.add_argument("--sft-steps", type=int, default=RLVRConfig.sft_steps, help="warm-start SFT steps")
+    parser.add_argument("--runner", choices=RUNNERS, default=RLVRConfig.runner,
+                        help="sandbox for the code tasks ('process' isolates nothing: trusted code only)")
+    parser.add_argument("--output-dir", default=None, help="write metrics, checkpoints and result.json here")
+    args = parser.parse_args(argv)
+    try:
+        config = RLVRConfig(steps=args.steps, seed=args.seed, max_lag=args.max_lag, ahead=args.ahead,
+                            sft_steps=args.sft_steps, runner=args.runner, output_dir=args.output_dir)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"train_rlvr: {config.steps} GRPO updates of {config.tasks_per_step} tasks x {config.samples} samples, "
+          f"max_lag={config.max_lag}, ahead={config.ahead}, seed={config.seed}, {jax.device_count()} device(s)",
+          flush=True)
+    result = run(config)
+    s = result.seconds
+    print(f"decoder: {result.parameters:,} parameters; SFT warm start {config.sft_steps} steps in {s['sft']:.1f} s")
+    shared = result.shared_prompts
+    print(f"evaluation reward, {config.eval_tasks} tasks x {config.eval_samples} samples at temperature 1 "
+          f"({shared} of the {config.eval_tasks} prompts also occur among the training tasks):")
+    for family in result.family_before:
+        print(f"  {family:<5} {result.family_before[family]:.3f} -> {result.family_after[family]:.3f}")
+    trained = [r for r in result.train_rewards if np.isfinite(r)]
+    quarter = max(1, len(trained) // 4)
+    print(f"training-batch reward: first {quarter} batches {np.mean(trained[:quarter]):.3f}, "
+          f"last {quarter} {np.mean(trained[-quarter:]):.3f}")
+    lags = [r.lag for r in result.records if r.lag is not None]
+    resubmitted = sum(sum(r.resubmissions.values()) for r in result.records)
+    print(f"rollouts: max lag {max(lags, default=0)}, {resubmitted} resubmitted, "
+          f"{sum(r.cut_groups for r in result.records)} groups cut")
+    print(f"trainer waited {result.waited:.1f} s of {result.rl_after_first_seconds:.1f} s after its first update: "
+          f"wait share {100 * result.wait_share:.1f}%")
+    print(f"GRPO {s['grpo']:.1f} s; total {s['total']:.1f} s")
+    if config.output_dir:
+        print(f"wrote {Path(config.output_dir) / 'result.json'}")
+    if not result.reward_after > result.reward_before:
+        print("note: the evaluation reward did not rise in this run", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The built-in verifiable tasks (dew.data.verifiable) and a short run of examples/train_rlvr.py's core."""
+
+import importlib.util
+import json
+import math
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from dew.data import Partition, Prompts
+from dew.data.chat import Role
+from dew.data.verifiable import (
+    CODE_SOURCE,
+    MATH_SOURCE,
+    CachedCodeReward,
+    RoutedReward,
+    demonstration_dataset,
+    demonstration_documents,
+    mean_by_family,
+    shared_prompts,
+    task_rows,
+    task_tokenizer,
+    verifiable_reward,
+    verifiable_tasks,
+)
+from dew.objectives.rl.scheduler import prompt_tasks
+from dew.sandbox import ProcessRunner, SandboxFleet, SandboxLimits, default_runner
+from tests.conftest import ROOT
+
+
+def load_example():
+    """examples/train_rlvr.py as a module (examples/ is not a package)."""
+    if "train_rlvr" in sys.modules:
+        return sys.modules["train_rlvr"]
+    spec = importlib.util.spec_from_file_location("train_rlvr", ROOT / "examples" / "train_rlvr.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_rlvr"] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+class CountingFleet:
+    """A real SandboxFleet that counts the programs it runs."""
+
+    def __init__(self, fleet):
+        self.fleet, self.programs = fleet, []
+
+    def map(self, programs):
+        programs = list(programs)
+        self.programs += programs
+        return self.fleet.map(programs)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    # Bubblewrap where it works (the runner for untrusted code); otherwise the launcher's limits only,
+    # which is enough for these tests' own programs.
+    try:
+        runner = default_runner()
+    except RuntimeError:
+        runner = ProcessRunner()
+    with SandboxFleet(runner, limits=SandboxLimits(cpu_seconds=5, wall_seconds=10), workers=2) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return task_tokenizer()
+
+
+# ----- generators --------------------------------------------------------------------------
+
+
+def test_tasks_are_deterministic_and_cycle_the_families():
+    tasks = verifiable_tasks(12, seed=3)
+    assert tasks == verifiable_tasks(12, seed=3)
+    assert tasks != verifiable_tasks(12, seed=4)
+    assert [t.family for t in tasks] == ["math", "code"] * 6
+    assert {t.data_source for t in tasks} == {MATH_SOURCE, CODE_SOURCE}
+    math_task, code_task = tasks[0], tasks[1]
+    assert math_task.prompt.startswith("What is ") and math_task.answer == f" \\boxed{{{math_task.ground_truth}}}"
+    a, b, op = (math_task.extra_info[k] for k in ("a", "b", "op"))
+    assert int(math_task.ground_truth) == eval(f"{a}{op}{b}")
+    cases = json.loads(code_task.ground_truth)
+    assert len(cases) == 3 and all(set(c) == {"stdin", "stdout"} for c in cases)
+    assert code_task.answer == f"```python\nprint({code_task.extra_info['expression']})\n```"
+    assert [t.family for t in verifiable_tasks(3, seed=0, families=("code",))] == ["code"] * 3
+    assert shared_prompts(tasks, tasks) == 12
+
+
+def test_bad_generator_arguments_raise():
+    with pytest.raises(ValueError, match="count must be a positive integer, got 0"):
+        verifiable_tasks(0)
+    with pytest.raises(ValueError, match=r"unknown task families \['poetry'\]"):
+        verifiable_tasks(2, families=("math", "poetry"))
+    with pytest.raises(ValueError, match="must not repeat"):
+        verifiable_tasks(2, families=("math", "math"))
+    with pytest.raises(ValueError, match="one reward per task"):
+        mean_by_family(verifiable_tasks(2), [1.0])
+
+
+def test_rows_read_by_prompts_and_prompt_tasks(tokenizer):
+    tasks = verifiable_tasks(4, seed=1)
+    row = task_rows(tasks)[1]
+    assert row["reward_model"]["ground_truth"] == tasks[1].ground_truth and row["data_source"] == CODE_SOURCE
+    batch = next(iter(Prompts(records=task_rows(tasks), tokenizer=tokenizer, max_prompt_len=64)
+                      .load(batch=4).train(Partition(0, 1))))
+    for task in prompt_tasks(batch):
+        original = next(t for t in tasks if tokenizer.encode(t.prompt) == task.data["prompt_ids"])
+        assert task.data["data_source"] == original.data_source
+        assert task.data["ground_truth"] == original.ground_truth
+        assert json.loads(task.data["extra_info"]) == dict(original.extra_info)
+
+
+def test_character_tokenizer(tokenizer):
+    assert len(tokenizer) == 98 and tokenizer.eos_token_id == tokenizer.pad_token_id == 0
+    text = verifiable_tasks(2, seed=0)[1].prompt + verifiable_tasks(2, seed=0)[1].answer
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text) and tokenizer.decode(ids) == text  # one id per character, newlines included
+    assert tokenizer.encode("é", add_special_tokens=False) == [1]  # outside the alphabet: <|unk|>
+
+
+def test_demonstrations_train_the_answers_only(tokenizer):
+    tasks = verifiable_tasks(6, seed=0)
+    documents, roles = demonstration_documents(tokenizer, tasks)
+    first = tokenizer.encode(tasks[0].prompt)
+    assert documents[0][: len(first)] == first and documents[0][-1] == tokenizer.eos_token_id
+    assert roles[0] == [Role.USER] * len(first) + [Role.ASSISTANT] * (len(documents[0]) - len(first))
+    data = demonstration_dataset(tokenizer, tasks, seq_len=95, batch=2)
+    batch = next(iter(data.train(Partition(0, 1))))
+    assert batch["text"].shape == (2, 96) and set(np.unique(batch["text_roles"])) <= {0, 2, 3}
+    with pytest.raises(ValueError, match="seq_len \\+ 1 = 20 cannot hold it"):
+        demonstration_dataset(tokenizer, tasks, seq_len=19, batch=2)
+
+
+# ----- rewards -----------------------------------------------------------------------------
+
+
+def test_math_reward_scores_right_one_and_wrong_zero(fleet):
+    reward = verifiable_reward(fleet)
+    for task in verifiable_tasks(6, seed=5, families=("math",)):
+        wrong = int(task.ground_truth) + 1
+        assert reward(task.data_source, task.answer, task.ground_truth, "") == 1.0
+        assert reward(task.data_source, f" \\boxed{{{wrong}}}", task.ground_truth, "") == 0.0
+        assert reward(task.data_source, task.ground_truth, task.ground_truth, "") == 0.0  # no box, no answer
+
+
+def test_code_reward_runs_the_program_in_the_fleet(fleet):
+    counting = CountingFleet(fleet)
+    reward = verifiable_reward(counting, cache=False)
+    (task,) = verifiable_tasks(1, seed=2, families=("code",))
+    assert reward(task.data_source, task.answer, task.ground_truth, "") == 1.0
+    assert len(counting.programs) == 3  # one run per test case
+    assert counting.programs[0].files["main.py"] == f"print({task.extra_info['expression']})\n"
+    assert reward(task.data_source, "```python\nprint('no')\n```", task.ground_truth, "") == 0.0
+    assert reward(task.data_source, "```python\nraise SystemExit(3)\n```", task.ground_truth, "") == 0.0
+    assert len(counting.programs) == 9
+    assert reward(task.data_source, "print(a+b)", task.ground_truth, "") == 0.0  # no fenced block: nothing runs
+    assert len(counting.programs) == 9
+    # One case right of three: the reward is the share passed.
+    case = json.loads(task.ground_truth)[0]
+    a, b = (int(x) for x in case["stdin"].split())
+    one_right = f"```python\nprint({case['stdout'].strip()} if (a, b) == ({a}, {b}) else 'x')\n```"
+    assert reward(task.data_source, one_right, task.ground_truth, "") == pytest.approx(1 / 3)
+
+
+def test_cached_code_reward_runs_a_program_once_per_task(fleet):
+    counting = CountingFleet(fleet)
+    reward = verifiable_reward(counting)
+    assert isinstance(reward.routes[CODE_SOURCE], CachedCodeReward)
+    first, second = verifiable_tasks(2, seed=9, families=("code",))
+    assert reward(first.data_source, first.answer, first.ground_truth, "") == 1.0
+    assert reward(first.data_source, first.answer + "\ntrailing words", first.ground_truth, "") == 1.0
+    assert len(counting.programs) == 3  # the same block for the same task ran once
+    reward(second.data_source, first.answer, second.ground_truth, "")  # the same block, other cases: runs
+    assert len(counting.programs) == 6
+    with pytest.raises(ValueError, match="size must be a positive integer"):
+        CachedCodeReward(reward, size=0)
+
+
+def test_routing_refuses_an_unknown_data_source(fleet):
+    reward = verifiable_reward(fleet)
+    with pytest.raises(ValueError, match="no reward for data_source 'gsm8k'; known: \\['dew/arithmetic'"):
+        reward("gsm8k", "\\boxed{1}", "1", "")
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        RoutedReward({})
+
+
+# ----- the example ---------------------------------------------------------------------------
+
+
+def test_config_checks():
+    example = load_example()
+    with pytest.raises(ValueError, match="max_lag must be at least ahead \\+ sync_every - 1 = 1, got 0"):
+        example.RLVRConfig(max_lag=0, ahead=1)
+    with pytest.raises(ValueError, match="runner must be one of"):
+        example.RLVRConfig(runner="docker")
+    with pytest.raises(ValueError, match="samples must be an integer >= 2, got 1"):
+        example.RLVRConfig(samples=1)
+    with pytest.raises(SystemExit):
+        example.main(["--max-lag", "0", "--ahead", "1"])
+
+
+@pytest.mark.slow
+def test_a_short_run_trains_on_whole_groups(tmp_path):
+    example = load_example()
+    runner = "bwrap" if shutil.which("bwrap") else "process"
+    config = example.RLVRConfig(
+        steps=3, sft_steps=10, sft_batch=8, train_tasks=64, eval_tasks=4, eval_samples=1, tasks_per_step=2,
+        samples=4, slots=8, runner=runner, progress=False, output_dir=str(tmp_path / "run"),
+    )
+    result = example.run(config)
+    assert len(result.records) == 3 and all(r.pushed is (r.version > 0) for r in result.records)
+    for record, sessions in zip(result.records, result.trained_sessions):
+        assert record.abandoned_groups == 0 and record.cut_groups == 0
+        assert record.admitted_groups == config.tasks_per_step
+        assert sessions == config.tasks_per_step * config.samples  # every admitted group whole
+        assert record.lag is not None and record.lag <= config.max_lag
+    assert math.isfinite(result.reward_before) and math.isfinite(result.reward_after)
+    assert 0.0 <= result.wait_share <= 1.0
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert saved["reward_after"] == result.reward_after and len(saved["records"]) == 3
+    with pytest.raises(ValueError, match="is not empty"):
+        example.run(config)
