@@ -122,9 +122,11 @@ def test_weight_broadcast_moves_the_version_only_when_every_actor_loaded(cluster
 
 def test_a_pool_keeps_drawing_after_a_server_is_killed(cluster, endless, sharp_decoder):
     pool = start_rollout_servers(endless, count=2, slots=2, capacity=64, num_cpus=0.5)
-    draws = [pool.submit([20, 21], 40, seed=i) for i in range(4)]  # two on each server
+    draws = [pool.submit([20, 21], 40, seed=i) for i in range(16)]  # eight on each server, two slots each
     killed = pool.servers[0]
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while ray.get(killed.actor.in_flight.remote()) < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)  # every draw of server 0 has arrived there; most of them wait for a slot
     ray.kill(killed.actor)
     outcomes = []
     for draw in draws:
@@ -133,7 +135,8 @@ def test_a_pool_keeps_drawing_after_a_server_is_killed(cluster, endless, sharp_d
         except RuntimeError as error:
             assert "server 0 died during a draw" in str(error)
             outcomes.append("died")
-    assert outcomes.count("died") == 2 and outcomes.count(40) == 2
+    assert outcomes.count("died") >= 2 and all(o in ("died", 40) for o in outcomes)
+    assert outcomes.count(40) >= 8  # server 1's eight
     assert pool.live() == [1]
     assert all(len(pool.submit([20], 3, seed=i).result(60).ids) == 3 for i in range(3))  # the survivor serves
     pool.load(sharp_decoder[1], version=1)

@@ -213,3 +213,31 @@ def test_a_killed_driver_resumes_with_no_batch_lost_or_trained_twice(tmp_path):
 
     tasks = [task for row in rows for task in row["tasks"]]
     assert len(tasks) == 10 and len(set(tasks)) == 10  # every batch of the one epoch-ordered stream, once each
+
+
+def test_prompt_files_in_verl_rows_are_read_and_checked(tmp_path):
+    from dew_ray.pipelines.rlvr import _prompt_rows, _reward
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": "What is two plus two?",
+             "reward_model": {"style": "rule", "ground_truth": "4"}, "extra_info": {"index": 0}},
+            {"data_source": "dew/arithmetic", "prompt": "What is one plus one?",
+             "reward_model": {"ground_truth": "2"}, "extra_info": {}}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(None, [f"prompts={path}"])
+    assert _prompt_rows(config, []) == rows
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "prompts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows[:1]), parquet)
+    assert _prompt_rows(load_config(None, [f"prompts={parquet}"]), [])[0]["reward_model"]["ground_truth"] == "4"
+    from dew.sandbox import ProcessRunner, SandboxFleet
+
+    with SandboxFleet(ProcessRunner(), workers=1) as fleet:
+        reward = _reward(fleet)  # a data source without a route of its own is graded as math
+        assert reward("openai/gsm8k", "so \\boxed{4}", "4", "{}") == 1.0
+        assert reward("openai/gsm8k", "\\boxed{5}", "4", "{}") == 0.0
+    path.write_text(json.dumps({"data_source": "x", "prompt": "p", "reward_model": {}}) + "\n")
+    with pytest.raises(ValueError, match="row 0 has no reward_model.ground_truth"):
+        _prompt_rows(load_config(None, [f"prompts={path}"]), [])

@@ -202,10 +202,14 @@ class ServerPool(RolloutServer):
 
 
 def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: int, lanes: int = 1,
-                          version: int = 0, http: bool = False, num_cpus: float = 1, **options) -> ServerPool:
-    """``count`` RolloutServerActors serving ``task``, behind one :class:`ServerPool`."""
+                          version: int = 0, http: bool = False, num_cpus: float = 1, placement=None,
+                          **options) -> ServerPool:
+    """``count`` RolloutServerActors serving ``task``, behind one :class:`ServerPool`.
+
+    ``placement(i)``, when given, returns actor i's options (its CPUs and placement-group bundle).
+    """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be a positive integer, got {count!r}")
-    actors = [RolloutServerActor.options(num_cpus=num_cpus, **options)
-              .remote(task, slots, capacity, lanes=lanes, version=version, http=http) for _ in range(count)]
+    actors = [RolloutServerActor.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **options)
+              .remote(task, slots, capacity, lanes=lanes, version=version, http=http) for i in range(count)]
     return ServerPool([RemoteRolloutServer(actor, f"rollout server {i}") for i, actor in enumerate(actors)])

@@ -40,12 +40,15 @@ SandboxRunnerActor = ray.remote(SandboxRunnerHost)
 
 
 def start_sandbox_runners(count: int, runner=None, limits: SandboxLimits = SandboxLimits(), workers: int = 2,
-                          num_cpus: float = 0.5, **options) -> list:
-    """``count`` SandboxRunnerActors, each running ``workers`` programs at once."""
+                          num_cpus: float = 0.5, placement=None, **options) -> list:
+    """``count`` SandboxRunnerActors, each running ``workers`` programs at once.
+
+    ``placement(i)``, when given, returns actor i's options (its CPUs and placement-group bundle).
+    """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be a positive integer, got {count!r}")
-    return [SandboxRunnerActor.options(max_concurrency=workers, num_cpus=num_cpus, **options)
-            .remote(runner, limits, workers) for _ in range(count)]
+    return [SandboxRunnerActor.options(max_concurrency=workers, **(placement(i) if placement else {"num_cpus": num_cpus}),
+                                       **options).remote(runner, limits, workers) for i in range(count)]
 
 
 class RemoteFleet:

@@ -162,11 +162,16 @@ TrainerActor = ray.remote(TrainerHost)
 
 
 def start_trainer_group(build: Callable[[], TrainJob], processes: int = 1, local_devices: int | None = None,
-                        num_cpus: float = 1, timeout: float = 600, **options) -> tuple[list, list[dict]]:
-    """Start ``processes`` TrainerActors as one JAX job; returns the actors and what each ``start`` reported."""
+                        num_cpus: float = 1, timeout: float = 600, placement=None,
+                        **options) -> tuple[list, list[dict]]:
+    """Start ``processes`` TrainerActors as one JAX job; returns the actors and what each ``start`` reported.
+
+    ``placement(i)``, when given, returns actor i's options (its CPUs and placement-group bundle).
+    """
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be a positive integer, got {processes!r}")
-    actors = [TrainerActor.options(num_cpus=num_cpus, **options).remote(build) for _ in range(processes)]
+    actors = [TrainerActor.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **options).remote(build)
+              for i in range(processes)]
     coordinator = ray.get(actors[0].coordinator.remote(), timeout=timeout) if processes > 1 else None
     started = ray.get([actor.start.remote(coordinator, processes, index, local_devices)
                        for index, actor in enumerate(actors)], timeout=timeout)

@@ -15,6 +15,8 @@ What runs where:
   with code on the sandbox pool (:class:`~dew_ray.actors.RemoteFleet`); the scheduler
   publishes weights to the servers through the object store
   (:class:`~dew_ray.weights.WeightBroadcast`);
+- one placement group reserves every actor's CPUs (the ``*_cpus`` fields) before any
+  starts (:class:`~dew_ray.placement.RolePlacement`);
 - the driver (this process) only builds the actors, steps the trainers, writes the run
   directory and sets the dashboard series (:mod:`dew_ray.metrics`).
 
@@ -366,6 +368,7 @@ class RLVRPipeline:
         self.pool = None
         self.fleet = None
         self.metrics = None
+        self.placement = None
         self.step_count = 0
 
     # -- lifecycle --
@@ -380,6 +383,7 @@ class RLVRPipeline:
         from dew.sampling import Sampling
         from dew_ray.actors import RemoteFleet, start_rollout_servers, start_sandbox_runners, start_trainer_group
         from dew_ray.metrics import PipelineMetrics
+        from dew_ray.placement import RolePlacement
 
         config = self.config
         self.started_at = time.perf_counter()
@@ -412,13 +416,20 @@ class RLVRPipeline:
                              f"reference answer of the tasks ({answer} ids with EOS): the warm start could not "
                              "show it and no completion could reach it")
         self.model = decoder(len(tokenizer), max_seq_len=width)
+        # Every actor's CPUs are reserved at once, in one place, before anything starts.
+        self.placement = placement = RolePlacement({
+            "trainer": (config.trainers, config.trainer_cpus), "rollout server": (config.servers, config.server_cpus),
+            "sandbox runner": (config.sandbox_runners, config.sandbox_cpus),
+        }, name=f"dew-rlvr-{self.run_dir.resolve().name}")
         self.params = self._warm_params(width, train)
 
         sampling = Sampling(eos_id=tokenizer.eos_token_id, temperature=1.0)
         self.pool = start_rollout_servers(ServingTask(self.model, self.params, sampling), config.servers,
-                                          slots=config.slots, capacity=width, version=-1, num_cpus=config.server_cpus)
+                                          slots=config.slots, capacity=width, version=-1,
+                                          placement=lambda i: placement.options("rollout server", i))
         runners = start_sandbox_runners(config.sandbox_runners, sandbox_runner(config.runner), SANDBOX_LIMITS,
-                                        workers=config.sandbox_workers, num_cpus=config.sandbox_cpus)
+                                        workers=config.sandbox_workers,
+                                        placement=lambda i: placement.options("sandbox runner", i))
         self.fleet = RemoteFleet(runners, workers=config.sandbox_workers)
         self._actors = [server.actor for server in self.pool.servers] + runners
         self.metrics = PipelineMetrics(self.run_dir.resolve().name)
@@ -433,7 +444,8 @@ class RLVRPipeline:
         setup = _Setup(config, width, prompt_len, rows)
         servers = [(server.name, server.actor) for server in self.pool.servers]
         build = functools.partial(_rlvr_job, setup, self.params, servers, runners)
-        self.trainers, started = start_trainer_group(build, processes=config.trainers, num_cpus=config.trainer_cpus)
+        self.trainers, started = start_trainer_group(build, processes=config.trainers,
+                                                     placement=lambda i: placement.options("trainer", i))
         self._actors += self.trainers
         self.step_count = started[0]["step"]
         self._read_rows(self.step_count)
@@ -457,7 +469,7 @@ class RLVRPipeline:
         template = _init_template(decoder(len(self.tokenizer), max_seq_len=width))
         if path.exists():
             return serialization.from_bytes(template, path.read_bytes())
-        task = ray.remote(num_cpus=self.config.trainer_cpus)(_warm_start)
+        task = ray.remote(_warm_start).options(**self.placement.options("trainer", 0))  # before the trainer starts
         params = ray.get(task.remote(self.config, width, train))
         partial = path.with_suffix(".partial")
         partial.write_bytes(serialization.to_bytes(params))
@@ -589,6 +601,9 @@ class RLVRPipeline:
         for actor in self._actors:
             ray.kill(actor)
         self._actors, self.trainers = [], []
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

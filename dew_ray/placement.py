@@ -1,0 +1,50 @@
+"""Where a pipeline's actors run: one placement group per run, one bundle per actor.
+
+``RolePlacement({"trainer": (count, cpus), "rollout server": (count, cpus), ...})``
+reserves every role's CPUs at once (a ``PACK`` placement group: on one node when it
+fits, spread over nodes when not), so a run either gets all its actors or waits and
+fails with the roles named, instead of starting half of them. ``options(role, index)``
+gives the scheduling options for an actor of that role in its own bundle. The CPUs per
+role come from the pipeline config; GPU bundles will come the same way with the GPU
+engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class RolePlacement:
+    """One placement group holding a bundle of CPUs for every actor of every role."""
+
+    def __init__(self, roles: Mapping[str, tuple[int, float]], timeout: float = 300.0, name: str | None = None):
+        self.first: dict[str, int] = {}
+        self.roles = dict(roles)
+        bundles = []
+        for role, (count, cpus) in self.roles.items():
+            if count < 1 or cpus <= 0:
+                raise ValueError(f"role {role!r} needs at least one actor and a positive CPU count, got {count}, {cpus}")
+            self.first[role] = len(bundles)
+            bundles += [{"CPU": float(cpus)} for _ in range(count)]
+        self.group = placement_group(bundles, strategy="PACK", name=name or "")
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout)
+        if not ready:
+            remove_placement_group(self.group)
+            wanted = ", ".join(f"{count} {role} x {cpus:g} CPU" for role, (count, cpus) in self.roles.items())
+            raise RuntimeError(f"the Ray cluster could not reserve this run's actors within {timeout:g} s ({wanted}; "
+                               f"the cluster has {ray.cluster_resources().get('CPU', 0):g} CPUs)")
+
+    def options(self, role: str, index: int = 0) -> dict:
+        """Actor options that place actor ``index`` of ``role`` in its own bundle."""
+        count, cpus = self.roles[role]
+        if not 0 <= index < count:
+            raise IndexError(f"role {role!r} has {count} actor(s), not an actor {index}")
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.first[role] + index)
+        return {"num_cpus": cpus, "scheduling_strategy": strategy}
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
