@@ -52,3 +52,16 @@ def sharp_decoder():
                          num_kv_heads=2, mlp_features=64, max_seq_len=64)
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     return model, jax.tree.map(lambda x: x * 3, variables)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster for one test module (4 logical CPUs; token authentication off, as for local clusters)."""
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()

@@ -2,7 +2,6 @@
 
 import functools
 import itertools
-import os
 import sys
 
 import numpy as np
@@ -38,14 +37,6 @@ def lm_job(output_dir=None):
     trainer = Trainer(LMObjective(model, seq_len=12, ema_decay=None), optax.adam(1e-2), key=jax.random.key(0),
                       output_dir=output_dir, progress=False)
     return TrainJob(trainer, Dataset(train=train, batch=8))
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def test_a_two_process_group_equals_one_process_on_the_same_global_batch(cluster):

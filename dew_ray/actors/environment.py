@@ -28,6 +28,7 @@ from ray.exceptions import RayActorError
 
 from dew.objectives.rl import EnvironmentSource
 from dew.objectives.rl.sessions import Session, SessionSource, Status, Task
+from dew_ray.actors._pool import LeastBusy
 from dew_ray.actors.rollout import RemoteRolloutServer, ServerPool
 
 
@@ -94,8 +95,7 @@ class RemoteEnvironmentSource(SessionSource):
         if not self.workers:
             raise ValueError("RemoteEnvironmentSource needs at least one EnvironmentWorker")
         self._lock = threading.Lock()
-        self._in_flight = [0] * len(self.workers)
-        self._dead: set[int] = set()
+        self._choice = LeastBusy(len(self.workers), "environment worker")
         self._where: dict[Future, tuple[int, str]] = {}
 
     def submit(self, task: Task, group: int, samples: int) -> list[Future]:
@@ -103,13 +103,8 @@ class RemoteEnvironmentSource(SessionSource):
 
     def _start(self, task: Task, group: int, sample: int) -> Future:
         future: Future = Future()
+        index, key = self._choice.take(), uuid.uuid4().hex
         with self._lock:
-            live = [i for i in range(len(self.workers)) if i not in self._dead]
-            if not live:
-                raise RuntimeError(f"every environment worker has died ({len(self.workers)} started)")
-            index = min(live, key=lambda i: self._in_flight[i])
-            self._in_flight[index] += 1
-            key = uuid.uuid4().hex
             self._where[future] = (index, key)
         ref = self.workers[index].run.remote(key, task, group, sample)
         ref.future().add_done_callback(lambda done: self._finish(future, done, index, task, group, sample))
@@ -117,15 +112,12 @@ class RemoteEnvironmentSource(SessionSource):
 
     def _finish(self, future: Future, done: Future, index: int, task: Task, group: int, sample: int) -> None:
         with self._lock:
-            self._in_flight[index] -= 1
             self._where.pop(future, None)
         error = done.exception()
+        self._choice.release(index, died=isinstance(error, RayActorError))
         if error is None:
             future.set_result(done.result())
             return
-        if isinstance(error, RayActorError):
-            with self._lock:
-                self._dead.add(index)
         # The session never reached a verdict of the policy: an infrastructure failure, submitted again.
         future.set_result(Session(task=task, group=group, sample=sample, attempt=0, calls=[],
                                   status=Status.INFRA_ERROR, detail=f"environment worker {index} failed: {error}"))
@@ -139,4 +131,4 @@ class RemoteEnvironmentSource(SessionSource):
 
     @property
     def live(self) -> int:
-        return len(self.workers) - len(self._dead)
+        return self._choice.live

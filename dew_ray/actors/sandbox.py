@@ -21,6 +21,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from dew.sandbox import Outcome, Program, SandboxFleet, SandboxLimits, default_runner
+from dew_ray.actors._pool import LeastBusy
 
 
 class SandboxRunnerHost:
@@ -64,8 +65,7 @@ class RemoteFleet:
         self.retries = retries
         self._slots = threading.Semaphore(workers * len(self.actors) + queued)
         self._lock = threading.Lock()
-        self._in_flight = [0] * len(self.actors)
-        self._dead: set[int] = set()
+        self._choice = LeastBusy(len(self.actors), "sandbox runner")
         self.reruns = 0  # programs run again because their actor died
 
     def submit(self, program: Program) -> Future:
@@ -82,25 +82,17 @@ class RemoteFleet:
         return future
 
     def _start(self, program: Program, future: Future, attempt: int) -> None:
-        with self._lock:
-            live = [i for i in range(len(self.actors)) if i not in self._dead]
-            if not live:
-                raise RuntimeError(f"every sandbox runner has died ({len(self.actors)} started)")
-            index = min(live, key=lambda i: self._in_flight[i])
-            self._in_flight[index] += 1
+        index = self._choice.take()
         ref = self.actors[index].run.remote(program)
         ref.future().add_done_callback(lambda done: self._finish(program, future, attempt, index, done))
 
     def _finish(self, program: Program, future: Future, attempt: int, index: int, done: Future) -> None:
-        with self._lock:
-            self._in_flight[index] -= 1
         error = done.exception()
+        self._choice.release(index, died=isinstance(error, RayActorError))
         if error is None:
             future.set_result(done.result())
             return
         if isinstance(error, RayActorError):
-            with self._lock:
-                self._dead.add(index)
             if attempt < self.retries:
                 with self._lock:
                     self.reruns += 1
@@ -122,4 +114,4 @@ class RemoteFleet:
 
     @property
     def live(self) -> int:
-        return len(self.actors) - len(self._dead)
+        return self._choice.live
