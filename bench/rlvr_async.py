@@ -14,7 +14,7 @@ over the time from the second call's start to the end of training. Rollout gener
 verification and the update all share this machine's cores, so overlap buys less than it
 would with the rollouts on other devices.
 
-    uv run python bench/rlvr_async.py [--steps 40] [--seed 0]
+    uv run python bench/rlvr_async.py [--steps 120] [--seed 0]
 
 Prints a table and writes bench/results/rlvr_async.{json,png}.
 """

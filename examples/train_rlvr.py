@@ -1,6 +1,6 @@
 """Asynchronous RLVR on the built-in verifiable tasks: SFT warm start, then GRPO through RolloutScheduler.
 
-    uv run python examples/train_rlvr.py [--steps 40] [--seed 0] [--max-lag 1] [--ahead 1] [--output-dir DIR]
+    uv run python examples/train_rlvr.py [--steps 120] [--seed 0] [--max-lag 1] [--ahead 1] [--output-dir DIR]
 
 What it does, all in this process on CPU:
 
@@ -80,7 +80,7 @@ class RLVRConfig:
     progress: show the trainers' progress bars.
     """
 
-    steps: int = 40
+    steps: int = 120
     seed: int = 0
     max_lag: int = 1
     ahead: int = 1

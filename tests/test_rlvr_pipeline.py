@@ -54,20 +54,28 @@ def test_config_file_overrides_and_named_errors(tmp_path):
         load_config(path)
 
 
-def scrape(port: int, names: list[str], timeout: float = 60) -> dict[str, float]:
-    """Values of the named series (Ray prefixes them with ``ray_``) from the node's Prometheus endpoint."""
+def scrape(port: int, names: list[str], expect: dict[str, float], timeout: float = 60) -> dict[str, float]:
+    """Values of the named series (Ray prefixes them with ``ray_``) from the node's Prometheus endpoint.
+
+    Ray exports gauges every few seconds, so an early read can hold values set before
+    the last update: read until every name is there with the ``expect``ed values, or
+    until ``timeout``, and return what the last read held.
+    """
     deadline = time.monotonic() + timeout
     found: dict[str, float] = {}
     while time.monotonic() < deadline:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        found = {}
         for line in body.splitlines():
             for name in names:
                 if line.startswith(f"ray_{name}{{"):
                     found[name] = float(line.rsplit(" ", 1)[1])
-        if set(found) == set(names):
+        if set(found) == set(names) and all(found[name] == value for name, value in expect.items()):
             return found
         time.sleep(2)
-    raise AssertionError(f"series missing from the metrics endpoint: {sorted(set(names) - set(found))}")
+    missing = sorted(set(names) - set(found))
+    assert not missing, f"series missing from the metrics endpoint: {missing}"
+    return found
 
 
 @pytest.mark.ray
@@ -88,7 +96,8 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
             rows += pipeline.step(5)  # only one update is left to reach steps=3
             assert [row["step"] for row in pipeline.rows] == [1, 2, 3]
             values = scrape(port, ["dew_update_step", "dew_policy_version", "dew_policy_lag",
-                                   "dew_trainer_wait_share", "dew_rollout_tokens_per_second"])
+                                   "dew_trainer_wait_share", "dew_rollout_tokens_per_second"],
+                            expect={"dew_update_step": 3, "dew_policy_version": 2})
             assert values["dew_update_step"] == 3 and values["dew_policy_version"] == 2
             summary = pipeline.finish()
         # the driver attached to this test's cluster, so it left it running

@@ -5,7 +5,7 @@ tokenizer and a warm-start corpus, without downloading anything. This module mak
 them procedurally from a seed:
 
 - ``math`` (data source ``dew/arithmetic``): "What is seven plus five?" answered
-  `` \\boxed{12}``: a plus, minus or times b for a, b in 0..9 (300 problems). The
+  `` \\boxed{12}``: a plus b for a, b in 0..9 (100 problems). The
   ground truth is the answer as an integer string, which
   :class:`~dew.sandbox.MathReward` compares with the last ``\\boxed{}`` of a completion.
 - ``code`` (data source ``dew/expression_code``): "Given a, b: print their product
@@ -80,8 +80,10 @@ _OPERATOR_WORDS = {"+": "plus", "-": "minus", "*": "times"}
 # Numbers in prompts are words (see the module docstring).
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 CODE_CASES = 3
-# How a code completion runs: its block is main.py, executed with a and b read from stdin.
-CODE_HARNESS = ("python3", "-c", "a,b=map(int,input().split());exec(open('main.py').read())")
+# How a code completion runs: its block is main.py, executed with a and b read from stdin. The
+# programs need no installed package: -S skips site (about a third of python's start-up, paid
+# three times per completion) and -I ignores the user site and PYTHON* variables.
+CODE_HARNESS = ("python3", "-S", "-I", "-c", "a,b=map(int,input().split());exec(open('main.py').read())")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +115,15 @@ class VerifiableTask:
 
 
 def math_task(rng: random.Random, index: int = 0) -> VerifiableTask:
-    """An arithmetic task drawn from ``rng``: a plus, minus or times b, operands 0..9 written as words."""
-    op = rng.choice("+-*")
+    """An arithmetic task drawn from ``rng``: a plus b, operands 0..9 written as words.
+
+    Addition only: a short warm start leaves the tiny decoder of the built-in run
+    answering about two fifths of these greedily and a third at temperature 1, which gives
+    GRPO groups with mixed rewards to learn from. With minus and times as well (300
+    problems) the same warm start answered under a tenth, and GRPO had almost nothing
+    to reinforce.
+    """
+    op = "+"
     a, b = rng.randint(0, 9), rng.randint(0, 9)
     value = a + b if op == "+" else a - b if op == "-" else a * b
     words = f"{NUMBER_WORDS[a]} {_OPERATOR_WORDS[op]} {NUMBER_WORDS[b]}"

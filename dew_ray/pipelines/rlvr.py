@@ -79,7 +79,7 @@ class RLVRPipelineConfig:
     """
 
     run_dir: str = "runs/rlvr"
-    steps: int = 40
+    steps: int = 120
     seed: int = 0
     trainers: int = 1
     servers: int = 1
