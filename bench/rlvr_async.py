@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode, result in results.items():
         summary[mode] = {
             "reward_start": result.reward_before, "reward_end": result.reward_after,
+            "family_start": result.family_before, "family_end": result.family_after,
             "wait_share": result.wait_share, "waited_seconds": result.waited,
             "after_first_update_seconds": result.rl_after_first_seconds,
             "grpo_seconds": result.seconds["grpo"], "total_seconds": result.seconds["total"],
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:<28} {row['reward_start']:>12.3f} {row['reward_end']:>10.3f} {100 * row['wait_share']:>9.1f}% "
               f"{row['waited_seconds']:>9.1f} {row['after_first_update_seconds']:>11.1f} {row['grpo_seconds']:>7.1f} "
               f"{row['total_seconds']:>7.1f}")
+    for mode, row in summary.items():
+        families = ", ".join(f"{family} {row['family_start'][family]:.3f} -> {row['family_end'][family]:.3f}"
+                             for family in row["family_start"] if family != "all")
+        print(f"{mode:<28} {families}")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "rlvr_async.json").write_text(json.dumps(

@@ -83,8 +83,16 @@ def test_tasks_are_deterministic_and_cycle_the_families():
     assert math_task.prompt.startswith("What is ") and math_task.answer == f" \\boxed{{{math_task.ground_truth}}}"
     a, b, op = (math_task.extra_info[k] for k in ("a", "b", "op"))
     assert int(math_task.ground_truth) == eval(f"{a}{op}{b}")
+    sums = [t.extra_info for t in verifiable_tasks(200, seed=3, families=("math",))]
+    assert all(s["op"] == "+" and 0 <= s["a"] <= 9 and 0 <= s["b"] <= 9 for s in sums)
     cases = json.loads(code_task.ground_truth)
-    assert len(cases) == 3 and all(set(c) == {"stdin", "stdout"} for c in cases)
+    assert len(cases) == 1 and set(cases[0]) == {"stdin", "stdout"}
+    inputs, outputs = cases[0]["stdin"].splitlines(), cases[0]["stdout"].splitlines()
+    assert len(inputs) == len(outputs) == 3
+    expression = code_task.extra_info["expression"]
+    for line, value in zip(inputs, outputs):
+        a, b = map(int, line.split())
+        assert int(value) == eval(expression, {"max": max, "min": min}, {"a": a, "b": b})
     assert code_task.answer == f"```python\nprint({code_task.extra_info['expression']})\n```"
     assert [t.family for t in verifiable_tasks(3, seed=0, families=("code",))] == ["code"] * 3
     assert shared_prompts(tasks, tasks) == 12
@@ -152,18 +160,22 @@ def test_code_reward_runs_the_program_in_the_fleet(fleet):
     reward = verifiable_reward(counting, cache=False)
     (task,) = verifiable_tasks(1, seed=2, families=("code",))
     assert reward(task.data_source, task.answer, task.ground_truth, "") == 1.0
-    assert len(counting.programs) == 3  # one run per test case
+    assert len(counting.programs) == 1  # one run for the task's three inputs
     assert counting.programs[0].files["main.py"] == f"print({task.extra_info['expression']})\n"
     assert reward(task.data_source, "```python\nprint('no')\n```", task.ground_truth, "") == 0.0
     assert reward(task.data_source, "```python\nraise SystemExit(3)\n```", task.ground_truth, "") == 0.0
-    assert len(counting.programs) == 9
+    assert len(counting.programs) == 3
     assert reward(task.data_source, "print(a+b)", task.ground_truth, "") == 0.0  # no fenced block: nothing runs
-    assert len(counting.programs) == 9
-    # One case right of three: the reward is the share passed.
+    assert len(counting.programs) == 3
+    # Right on the first input only: the task's one case fails, the reward is 0.
     case = json.loads(task.ground_truth)[0]
-    a, b = (int(x) for x in case["stdin"].split())
-    one_right = f"```python\nprint({case['stdout'].strip()} if (a, b) == ({a}, {b}) else 'x')\n```"
-    assert reward(task.data_source, one_right, task.ground_truth, "") == pytest.approx(1 / 3)
+    first, value = case["stdin"].splitlines()[0], case["stdout"].splitlines()[0]
+    a, b = (int(x) for x in first.split())
+    one_right = f"```python\nprint({value} if (a, b) == ({a}, {b}) else 'x')\n```"
+    assert reward(task.data_source, one_right, task.ground_truth, "") == 0.0
+    # Right everywhere but printing a fourth line: the output must equal the expected one.
+    extra = f"```python\nprint({task.extra_info['expression']}); print(0)\n```"
+    assert reward(task.data_source, extra, task.ground_truth, "") == 0.0
 
 
 def test_cached_code_reward_runs_a_program_once_per_task(fleet):
@@ -173,9 +185,9 @@ def test_cached_code_reward_runs_a_program_once_per_task(fleet):
     first, second = verifiable_tasks(2, seed=9, families=("code",))
     assert reward(first.data_source, first.answer, first.ground_truth, "") == 1.0
     assert reward(first.data_source, first.answer + "\ntrailing words", first.ground_truth, "") == 1.0
-    assert len(counting.programs) == 3  # the same block for the same task ran once
+    assert len(counting.programs) == 1  # the same block for the same task ran once
     reward(second.data_source, first.answer, second.ground_truth, "")  # the same block, other cases: runs
-    assert len(counting.programs) == 6
+    assert len(counting.programs) == 2
     with pytest.raises(ValueError, match="size must be a positive integer"):
         CachedCodeReward(reward, size=0)
 

@@ -10,12 +10,16 @@ them procedurally from a seed:
   :class:`~dew.sandbox.MathReward` compares with the last ``\\boxed{}`` of a completion.
 - ``code`` (data source ``dew/expression_code``): "Given a, b: print their product
   plus three." answered with a fenced one-line python program, ``print(a*b+3)``.
-  The ground truth is a JSON list of three ``{"stdin", "stdout"}`` cases, which
-  :class:`~dew.sandbox.CodeReward` checks in a :class:`~dew.sandbox.SandboxFleet`: the
-  block is written to ``main.py`` and run by :data:`CODE_HARNESS`, which reads ``a b``
-  from stdin and then executes it (the harness keeps the program to one line, short
-  enough for a tiny decoder). There are 125 specifications (five aggregates of a and
-  b, each bare or plus, minus or times a number 2..9).
+  The ground truth is a JSON list of one ``{"stdin", "stdout"}`` case: three lines
+  ``a b`` in, the three values out. :class:`~dew.sandbox.CodeReward` checks it in a
+  :class:`~dew.sandbox.SandboxFleet`: the block is written to ``main.py`` and run by
+  :data:`CODE_HARNESS`, which executes it once per input line with ``a`` and ``b`` set
+  (the harness keeps the program to one line, short enough for a tiny decoder). A
+  completion scores 1.0 when all three values are right, else 0.0. One sandboxed run
+  per completion rather than one per input: starting a sandbox and Python is most of
+  a completion's scoring time, and scoring is the slowest part of a batch when the
+  policy writes many distinct programs. There are 125 specifications (five aggregates
+  of a and b, each bare or plus, minus or times a number 2..9).
 
 Numbers in prompts are words ("seven", not "7"): in a short warm start a tiny decoder
 learns to read a word of several characters long before it learns to copy a lone
@@ -79,11 +83,13 @@ _MODIFIERS = (("plus", "+"), ("minus", "-"), ("times", "*"))
 _OPERATOR_WORDS = {"+": "plus", "-": "minus", "*": "times"}
 # Numbers in prompts are words (see the module docstring).
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-CODE_CASES = 3
-# How a code completion runs: its block is main.py, executed with a and b read from stdin. The
-# programs need no installed package: -S skips site (about a third of python's start-up, paid
-# three times per completion) and -I ignores the user site and PYTHON* variables.
-CODE_HARNESS = ("python3", "-S", "-I", "-c", "a,b=map(int,input().split());exec(open('main.py').read())")
+CODE_INPUTS = 3  # input lines of a code task's one test case
+# How a code completion runs: its block is main.py, executed once per stdin line "a b" with a
+# and b set. The programs need no installed package: -S skips site (about a third of Python's
+# start-up) and -I ignores the user site and PYTHON* variables.
+CODE_HARNESS = ("python3", "-S", "-I", "-c",
+                "import sys;source=open('main.py').read()\n"
+                "for line in sys.stdin: a,b=map(int,line.split());exec(source)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,16 +151,21 @@ def code_specification(aggregate: int, modifier: int | None, k: int) -> tuple[st
 
 
 def code_task(rng: random.Random, index: int = 0) -> VerifiableTask:
-    """A code task drawn from ``rng``: a one-line program printing an expression of ``a`` and ``b`` (three cases)."""
+    """A code task drawn from ``rng``: a one-line program printing an expression of ``a`` and ``b``.
+
+    Its ground truth is one case of :data:`CODE_INPUTS` input lines (module docstring).
+    """
     aggregate = rng.randrange(len(_AGGREGATES))
     modifier = None if rng.random() < 0.2 else rng.randrange(len(_MODIFIERS))
     k = rng.randint(2, 9)
     words, expression = code_specification(aggregate, modifier, k)
-    cases = []
-    for _ in range(CODE_CASES):
+    stdin, stdout = [], []
+    for _ in range(CODE_INPUTS):
         a, b = rng.randint(-20, 50), rng.randint(-20, 50)
         value = eval(expression, {"max": max, "min": min}, {"a": a, "b": b})  # our own expression, not input
-        cases.append({"stdin": f"{a} {b}\n", "stdout": f"{value}\n"})
+        stdin.append(f"{a} {b}\n")
+        stdout.append(f"{value}\n")
+    cases = [{"stdin": "".join(stdin), "stdout": "".join(stdout)}]
     return VerifiableTask(
         family="code", data_source=CODE_SOURCE, prompt=f"Given a, b: print {words}.\n",
         answer=f"```python\nprint({expression})\n```", ground_truth=json.dumps(cases),
@@ -343,7 +354,7 @@ def verifiable_reward(fleet, all_or_nothing: bool = False, cache: bool = True) -
     program runs once per task (:class:`CachedCodeReward`). ``fleet`` is a
     :class:`~dew.sandbox.SandboxFleet` (or anything with ``map``); ``all_or_nothing``
     makes a code task score 1.0 only when every case passes (otherwise it scores the
-    share of cases passed).
+    share of cases passed); the built-in code tasks have one case, so they score 0 or 1 either way.
     """
     from dew.sandbox.rewards import CodeReward, MathReward
 
