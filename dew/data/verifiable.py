@@ -80,7 +80,6 @@ _AGGREGATES = (
     ("the smaller", "min(a,b)", False),
 )
 _MODIFIERS = (("plus", "+"), ("minus", "-"), ("times", "*"))
-_OPERATOR_WORDS = {"+": "plus", "-": "minus", "*": "times"}
 # Numbers in prompts are words (see the module docstring).
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 CODE_INPUTS = 3  # input lines of a code task's one test case
@@ -129,13 +128,10 @@ def math_task(rng: random.Random, index: int = 0) -> VerifiableTask:
     problems) the same warm start answered under a tenth, and GRPO had almost nothing
     to reinforce.
     """
-    op = "+"
     a, b = rng.randint(0, 9), rng.randint(0, 9)
-    value = a + b if op == "+" else a - b if op == "-" else a * b
-    words = f"{NUMBER_WORDS[a]} {_OPERATOR_WORDS[op]} {NUMBER_WORDS[b]}"
     return VerifiableTask(
-        family="math", data_source=MATH_SOURCE, prompt=f"What is {words}?", answer=f" \\boxed{{{value}}}",
-        ground_truth=str(value), extra_info={"index": index, "a": a, "b": b, "op": op},
+        family="math", data_source=MATH_SOURCE, prompt=f"What is {NUMBER_WORDS[a]} plus {NUMBER_WORDS[b]}?",
+        answer=f" \\boxed{{{a + b}}}", ground_truth=str(a + b), extra_info={"index": index, "a": a, "b": b, "op": "+"},
     )
 
 
