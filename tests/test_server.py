@@ -100,8 +100,13 @@ def test_reload_changes_later_tokens_and_casts_to_the_served_dtype(task):
     server.reload(other)
     while server.busy:
         ids += [f for f in server.step() if f.request == number]
-    changed = ids[0].ids
-    assert changed[:4] == plain.ids[:4] and changed[4:] != plain.ids[4:]
+    changed = ids[0]
+    # Token 4 is drawn from logits the old weights computed before the reload; the step that
+    # feeds it already ran ahead on the old weights, so the server must run it again: token 5
+    # on is drawn from the new weights' logits.
+    assert changed.ids[:5] == plain.ids[:5] and changed.ids[5:] != plain.ids[5:]
+    np.testing.assert_allclose(changed.old_log_probs[:5], plain.old_log_probs[:5], atol=1e-6)
+    assert abs(changed.old_log_probs[5] - plain.old_log_probs[5]) > 1e-3
 
 
 def test_native_rollout_server_versions_draws_and_loads_in_flight(task):
