@@ -132,6 +132,10 @@ class RemoteRolloutServer(RolloutServer):
         self._broadcast.load(variables, version)
         self._version = self._broadcast.version
 
+    def loaded(self, version: int) -> None:
+        """Record that weights of ``version`` reached the actor by another path (a pool's one broadcast)."""
+        self._version = version
+
     def alive(self) -> bool:
         try:
             ray.get(self.actor.version.remote(), timeout=30)
@@ -197,7 +201,7 @@ class ServerPool(RolloutServer):
             with self._lock:
                 self._dead.update(i for i in live if self.servers[i].name in broadcast.dropped)
         for i in self.live():
-            self.servers[i]._version = broadcast.version
+            self.servers[i].loaded(broadcast.version)
         self._version = broadcast.version
 
 

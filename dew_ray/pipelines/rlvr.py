@@ -438,7 +438,7 @@ class RLVRPipeline:
         if before_file.exists():
             self.reward_before = json.loads(before_file.read_text())
         else:
-            self.reward_before = self._measure(version=-1)
+            self.reward_before = self._measure()
             before_file.write_text(json.dumps(self.reward_before))
 
         setup = _Setup(config, width, prompt_len, rows)
@@ -535,7 +535,8 @@ class RLVRPipeline:
         wall = sum(row["wall"] for row in later)
         return sum(row["waited"] or 0.0 for row in later) / wall if wall > 0 else None
 
-    def _measure(self, version: int) -> dict[str, float]:
+    def _measure(self) -> dict[str, float]:
+        """The held-out reward of the policy the pool serves now."""
         from dew.recipes.rlvr import measure_reward
 
         return measure_reward(self.pool, _reward(self.fleet), self.tokenizer, self.held_out, self.config.eval_samples,
@@ -549,7 +550,7 @@ class RLVRPipeline:
 
         params = ray.get(self.trainers[0].snapshot.remote())
         self.pool.load(params, self.step_count)
-        after = self._measure(self.step_count)
+        after = self._measure()
         policy = self.run_dir / "policy"
         Pretrained.from_model(self.model).save(params, policy)
         self.tokenizer.save_pretrained(policy)
