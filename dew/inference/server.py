@@ -205,7 +205,6 @@ class Server:
             ))
         self._pool = ThreadPoolExecutor(lanes, thread_name_prefix="dew-lane") if lanes > 1 else None
         self._ahead: list[_Launched | None] = [None] * lanes  # each lane's next step, started before its last was read
-        self._stale = False  # weights were reloaded after the steps ahead started
         self._active: list[_Active | None] = [None] * slots
         self._queue: deque = deque()
         self._cancelled: set[int] = set()
@@ -246,7 +245,10 @@ class Server:
     def reload(self, variables) -> None:
         """Serve ``variables`` from the next step on, cast to the served dtype."""
         self.variables = cast_floating(variables, self.dtype)
-        self._stale = True
+        for lane, ahead in enumerate(self._ahead):  # drawn with the old weights: the next step draws it again
+            if ahead is not None:
+                self._slots[lane] = ahead.before
+        self._ahead = [None] * self.lanes
 
     # ----- stepping ------------------------------------------------------------------------
 
@@ -254,14 +256,9 @@ class Server:
         """Admit waiting requests into free slots, then decode one token for every active slot.
 
         The step after this one starts on the device before this one's tokens reach the
-        host (see the module docstring); a reload since then starts it again.
+        host (see the module docstring); a reload drops it, and the next call starts it again.
         """
         finished = self._drop_cancelled()
-        for lane, ahead in enumerate(self._ahead):
-            if ahead is not None and self._stale:  # drawn with the old weights: draw it again
-                self._slots[lane] = ahead.before
-                self._ahead[lane] = None
-        self._stale = False
         self._admit()
         lanes = [lane for lane, span in enumerate(self._lane_slots) if any(self._active[span])]
         for lane in set(range(self.lanes)) - set(lanes):
