@@ -104,6 +104,41 @@ def test_prefill_of_different_valid_lengths_shares_one_shape():
     np.testing.assert_array_equal(cache.lengths, [4, 6])
 
 
+def test_packed_prefill_writes_each_prompt_into_its_own_row():
+    model = build()
+    variables = init(model)
+    apply = jax.jit(model.apply)
+    rng = np.random.default_rng(4)
+    first, second = rng.integers(0, 40, 3), rng.integers(0, 40, 5)
+    # Rows 2 and 0 of a 3-row cache take the two prompts packed in one row of 10 ids (2 of padding);
+    # row 1 holds an earlier request's keys, which the prefill leaves alone.
+    tokens = np.concatenate([first, second, [0, 0]])[None]
+    segment_ids = np.array([[1, 1, 1, 2, 2, 2, 2, 2, 0, 0]])
+    positions = np.array([[0, 1, 2, 0, 1, 2, 3, 4, 0, 0]])
+    rows = np.array([[2, 2, 2, 0, 0, 0, 0, 0, 1, 1]])  # padding names row 1: it is not written
+    cache = models.init_cache(model, batch=3, capacity=8)
+    _, cache = apply(variables, rng.integers(0, 40, (3, 2)), cache=cache, lengths=jnp.array([0, 2, 0]))
+    before = jax.tree.map(np.asarray, cache)
+    logits, cache = apply(variables, tokens, segment_ids=segment_ids, positions=positions, cache=cache, rows=rows,
+                          logits_at=np.array([[2, 7]]))
+    assert logits.shape == (1, 2, 40)
+    np.testing.assert_array_equal(cache.lengths, [5, 2, 3])
+    np.testing.assert_allclose(logits[0, 0], apply(variables, first[None])[0, -1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits[0, 1], apply(variables, second[None])[0, -1], atol=1e-5, rtol=0)
+    for layer in range(len(cache.keys)):
+        np.testing.assert_array_equal(cache.keys[layer][1], before.keys[layer][1])
+        np.testing.assert_array_equal(cache.values[layer][1], before.values[layer][1])
+    # Decoding continues each row from its prompt as if the prompt had been prefilled alone.
+    following = rng.integers(0, 40, 3)
+    step, cache = apply(variables, following[:, None], cache=cache, lengths=jnp.array([1, 0, 1]))
+    np.testing.assert_allclose(step[0, 0], apply(variables, np.append(second, following[0])[None])[0, -1],
+                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(step[2, 0], apply(variables, np.append(first, following[2])[None])[0, -1],
+                               atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="needs segment_ids and positions"):
+        apply(variables, tokens, cache=cache, rows=rows)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

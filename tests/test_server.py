@@ -44,6 +44,27 @@ def test_continuous_batching_gives_each_request_its_tokens_alone(task):
         assert len(result.ids) == request[1]
 
 
+def test_contexts_joining_together_are_prefilled_packed(task, monkeypatch):
+    import dew.inference.server as server_module
+
+    requests = [(p, 5, 20 + i) for i, p in enumerate(PROMPTS)]  # lengths 3, 7, 1, 5, 2
+    alone = [run(Server.from_task(task, slots=1, capacity=32), [request])[0] for request in requests]
+    calls = []
+    prefill = server_module._prefill
+    monkeypatch.setattr(server_module, "_prefill", lambda *args: calls.append(args[-1].tokens.shape) or prefill(*args))
+    monkeypatch.setattr(server_module, "PACKED_IDS", 8)
+    together = run(Server.from_task(task, slots=5, capacity=32), requests)
+    assert calls == [(1, 8), (1, 8), (1, 8)]  # packs [3], [7, 1], [5, 2]: at most 8 ids each
+    for result, expected in zip(together, alone, strict=True):
+        assert result.ids == expected.ids
+        np.testing.assert_allclose(result.old_log_probs, expected.old_log_probs, atol=1e-5)
+    calls.clear()
+    monkeypatch.setattr(server_module, "PACKED_IDS", 4)
+    longer = run(Server.from_task(task, slots=2, capacity=32), requests[1:3])  # 7 ids: more than a pack, alone
+    assert calls == [(1, 8), (1, 8)]
+    assert [r.ids for r in longer] == [r.ids for r in alone[1:3]]
+
+
 def test_lanes_decode_side_by_side_with_each_request_its_own_tokens(task):
     requests = [(p, 4 + i, 10 + i) for i, p in enumerate(PROMPTS)] * 2
     plain = run(Server.from_task(task, slots=4, capacity=32), requests)

@@ -84,8 +84,8 @@ def sample_rows(logits: jax.Array, keys: jax.Array, steps: jax.Array, sampling: 
 def _generate(model, variables, tokens, lengths, keys, budget: int, sampling: Sampling) -> Generation:
     rows = tokens.shape[0]
     cache = init_cache(model, rows, tokens.shape[1] + budget)
-    logits, cache = model.apply(variables, tokens, cache=cache, lengths=lengths)
-    last = logits[jnp.arange(rows), lengths - 1]
+    logits, cache = model.apply(variables, tokens, cache=cache, lengths=lengths, logits_at=(lengths - 1)[:, None])
+    last = logits[:, 0]
     eos_ids = jnp.asarray(sampling.eos_ids or (-1,), jnp.int32)
 
     def step(carry, t):

@@ -5,7 +5,11 @@ free, joins between two decode steps (its context is prefilled into its slot's c
 row), then gets one token per step until it samples EOS, spends its budget or is
 cancelled, and leaves; its slot takes the next request at the following step. Every
 step is one compiled call over all slots: sampling is fused into it and the weights
-are read once per step for every active request.
+are read once per step for every active request. Contexts that join at the same step
+are prefilled packed into one row of ids (at most ``PACKED_IDS`` per call, each attending
+only to itself), so a prefill costs the joining ids alone: neither padding to the
+longest context nor the slots that are decoding (a lone request joining 31 busy slots
+used to cost a 32-row forward pass).
 
 Request randomness depends only on its seed: token ``t`` draws with
 ``fold_in(key(seed), t)``, so a request samples the same tokens alone or beside others.
@@ -52,6 +56,8 @@ from flax import struct
 from dew.inference.generation import bucket, sample_rows
 from dew.models.transformer import KVCache, init_cache
 from dew.sampling import Sampling
+
+PACKED_IDS = 256  # prompt ids per packed prefill call (a longer prompt is prefilled alone)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,16 +123,17 @@ class _Slots:
 
 
 @partial(jax.jit, static_argnames=("model",), donate_argnames=("kv",))
-def _prefill(model, variables, kv, slots: _Slots, tokens, lengths, joining, keys, budgets):
-    cache = KVCache(*kv, jnp.where(joining, 0, slots.lengths))
-    logits, cache = model.apply(variables, tokens, cache=cache, lengths=lengths)
-    first = logits[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]
+def _prefill(model, variables, kv, slots: _Slots, pack: "_Pack"):
+    cache = KVCache(*kv, jnp.where(pack.joining, 0, slots.lengths))
+    logits, cache = model.apply(variables, pack.tokens, segment_ids=pack.segments, positions=pack.positions,
+                                cache=cache, rows=pack.rows, logits_at=pack.last[None])
+    joining = pack.joining
     return (cache.keys, cache.values), _Slots(
         lengths=cache.lengths,
-        last=jnp.where(joining[:, None], first, slots.last),
-        keys=jnp.where(joining[:, None], keys, slots.keys),
+        last=jnp.where(joining[:, None], logits[0], slots.last),
+        keys=jnp.where(joining[:, None], pack.keys, slots.keys),
         steps=jnp.where(joining, 0, slots.steps),
-        budgets=jnp.where(joining, budgets, slots.budgets),
+        budgets=jnp.where(joining, pack.budgets, slots.budgets),
         alive=slots.alive | joining,
     )
 
@@ -161,6 +168,25 @@ class _Launched:
     owners: list
     out: tuple
     before: _Slots
+
+
+@struct.dataclass
+class _Pack:
+    """Prompts joining one lane, packed into a single row of ids (see :meth:`Server._packs`).
+
+    tokens, segments (1, 2, ... per prompt, 0 for padding), positions (within each prompt)
+    and rows (the lane row each id is written to): [1, width]. Per lane row: joining,
+    last (the index in the pack of the row's last prompt id), keys and budgets.
+    """
+
+    tokens: jax.Array
+    segments: jax.Array
+    positions: jax.Array
+    rows: jax.Array
+    joining: jax.Array
+    last: jax.Array
+    keys: jax.Array
+    budgets: jax.Array
 
 
 def _rows(values: np.ndarray, rows: int) -> jax.Array:
@@ -343,23 +369,36 @@ class Server:
             number, ids, budget, seed = self._queue.popleft()
             self._active[slot] = _Active(number, budget)
             joining.append((slot, ids, budget, seed))
-        if not joining:
-            return
-        width = min(bucket(max(len(ids) for _, ids, _, _ in joining)), self.capacity)
-        tokens = np.zeros((self.slots, width), np.int32)
-        lengths = np.zeros(self.slots, np.int32)
-        mask = np.zeros(self.slots, bool)
-        keys = np.zeros((self.slots, *self._slots[0].keys.shape[1:]), np.uint32)
-        budgets = np.zeros(self.slots, np.int32)
-        for slot, ids, budget, seed in joining:
-            tokens[slot, : len(ids)] = ids
-            lengths[slot] = len(ids)
-            mask[slot] = True
-            keys[slot] = jax.random.key_data(jax.random.key(seed))
-            budgets[slot] = budget
         for lane, span in enumerate(self._lane_slots):
-            if mask[span].any():
+            entries = [entry for entry in joining if span.start <= entry[0] < span.stop]
+            for pack in self._packs(entries, span.start):
                 self._kv[lane], self._slots[lane] = _prefill(
-                    self.model, self.variables, self._kv[lane], self._slots[lane],
-                    *(_rows(values[span], self._rows) for values in (tokens, lengths, mask, keys, budgets)),
+                    self.model, self.variables, self._kv[lane], self._slots[lane], pack
                 )
+
+    def _packs(self, joining: list, start: int):
+        """The prompts joining a lane as packs of at most PACKED_IDS ids (a longer prompt alone).
+
+        A pack is one row of ids: each prompt costs its own length, not the longest
+        prompt's, and lane rows without a prompt cost nothing. Widths are powers of two so
+        compilations repeat; the cap bounds the pack's [width, width] attention scores.
+        """
+        while joining:
+            count, total = 1, len(joining[0][1])
+            while count < len(joining) and total + len(joining[count][1]) <= PACKED_IDS:
+                total += len(joining[count][1])
+                count += 1
+            group, joining = joining[:count], joining[count:]
+            width = bucket(total)
+            tokens, segments, positions, rows = (np.zeros((1, width), np.int32) for _ in range(4))
+            joins, last, budgets = np.zeros(self._rows, bool), np.zeros(self._rows, np.int32), np.zeros(self._rows, np.int32)
+            keys = np.zeros((self._rows, *self._slots[0].keys.shape[1:]), np.uint32)
+            offset = 0
+            for number, (slot, ids, budget, seed) in enumerate(group, start=1):
+                row, end = slot - start, offset + len(ids)
+                tokens[0, offset:end], segments[0, offset:end] = ids, number
+                positions[0, offset:end], rows[0, offset:end] = np.arange(len(ids)), row
+                joins[row], last[row], budgets[row] = True, end - 1, budget
+                keys[row] = jax.random.key_data(jax.random.key(seed))
+                offset = end
+            yield _Pack(*(jnp.asarray(a) for a in (tokens, segments, positions, rows, joins, last, keys, budgets)))

@@ -12,6 +12,16 @@ One module serves training and generation:
   call with the whole prompt, decoding a call with one id per row) and returns
   ``(logits, cache)``. Ids past a row's valid count are neither attended to nor
   written, so a row given ``lengths=0`` keeps its cache unchanged.
+- ``model.apply(variables, tokens, segment_ids=..., positions=..., cache=cache, rows=...)``
+  is a packed prefill: the ids of several requests share one row of ``tokens`` as in the
+  full forward pass (each attends only within its segment, not to the cache), and each
+  id is written at ``positions`` of cache row ``rows`` (ids with segment 0 are padding
+  and not written); the returned cache's lengths grow by the ids written to each row.
+  The rows written start empty: a request's prompt is prefilled without padding it to
+  the longest prompt beside it, and without computing the rows that have no prompt.
+- ``logits_at=[batch, n]`` (either form with a cache) returns the logits of those
+  positions only, ``[batch, n, vocab]``: a prefill needs the last prompt position's, and
+  the output product over the others would be a quarter of its work on a small model.
 
 Options for the families: grouped-query attention (``num_kv_heads``), an explicit
 ``head_dim``, RoPE theta, RMSNorm epsilon, SwiGLU or GELU MLP, Qwen3's QK-norm,
@@ -139,12 +149,10 @@ class Attention(nn.Module):
 
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
-        if write is None:  # a full forward pass: keys and values as projected, [B, S, K, D]
-            key_spec, value_spec = "bskd", "bskd"
-        else:  # decoding: store the new keys and values, attend over the whole cache row
-            k, v = write(k, v)
-            key_spec, value_spec = "bkds", "bksd"
-        if length == 1 and write is not None:
+        key_spec, value_spec = "bskd", "bskd"  # keys and values as projected, [B, S, K, D]
+        if write is not None:  # stored in the cache; decoding attends over the whole cache row (its layout)
+            k, v, key_spec, value_spec = write(k, v)
+        if length == 1 and key_spec == "bkds":
             # A decode step as the plain batched product [B, K, G, D] @ [B, K, D, S]: XLA's CPU
             # dot runs several times faster than when it has to transpose an operand.
             scores = jnp.matmul(q[:, 0], k.astype(q.dtype), preferred_element_type=jnp.float32)[:, :, :, None]
@@ -153,7 +161,7 @@ class Attention(nn.Module):
         scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        if length == 1 and write is not None:
+        if length == 1 and value_spec == "bksd":
             out = jnp.matmul(weights[:, :, :, 0], v.astype(self.dtype))[:, None]
         else:
             out = jnp.einsum(f"bkgts,{value_spec}->btkgd", weights, v.astype(self.dtype))
@@ -247,7 +255,10 @@ class CausalTransformer(nn.Module):
         return self.head_dim or self.emb_features // self.num_heads
 
     @nn.compact
-    def __call__(self, tokens, segment_ids=None, positions=None, cache: KVCache | None = None, lengths=None):
+    def __call__(
+        self, tokens, segment_ids=None, positions=None, cache: KVCache | None = None, lengths=None, rows=None,
+        logits_at=None,
+    ):
         batch, length = tokens.shape
         embed = nn.Embed(
             self.vocab_size, self.emb_features, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -257,6 +268,11 @@ class CausalTransformer(nn.Module):
         if cache is None:
             mask, positions = self._packed_mask(batch, length, segment_ids, positions)
             write = None
+        elif rows is not None:
+            if segment_ids is None or positions is None:
+                raise ValueError("a packed prefill (rows=...) needs segment_ids and positions")
+            mask, positions = self._packed_mask(batch, length, segment_ids, positions)
+            write, lengths, written = self._packed_write(cache, rows, positions, segment_ids)
         else:
             mask, positions, write, lengths, written = self._cache_mask(cache, batch, length, positions, lengths)
 
@@ -268,6 +284,8 @@ class CausalTransformer(nn.Module):
         for layer in range(self.num_layers):
             layer_write = None if write is None else functools.partial(write, layer)
             x = Block(options, name=f"layers_{layer}")(x, positions, mask, layer_write)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         x = nn.RMSNorm(epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
         if self.tie_embeddings and self.matmul_dtype is None:
             logits = embed.attend(x)
@@ -316,9 +334,23 @@ class CausalTransformer(nn.Module):
             keys, values = written["keys"][layer], written["values"][layer]
             written["keys"][layer] = keys.at[rows, :, :, slots_written].set(k.astype(keys.dtype), mode="drop")
             written["values"][layer] = values.at[rows, :, slots_written].set(v.astype(values.dtype), mode="drop")
-            return written["keys"][layer], written["values"][layer]
+            return written["keys"][layer], written["values"][layer], "bkds", "bksd"
 
         return mask, positions, write, lengths, written
+
+    def _packed_write(self, cache, rows, positions, segment_ids):
+        # Padding (segment 0) points past the end and is dropped, like finished rows when decoding.
+        slots_written = jnp.where(segment_ids > 0, positions, cache.capacity)
+        written = {"keys": list(cache.keys), "values": list(cache.values)}
+
+        def write(layer, k, v):
+            keys, values = written["keys"][layer], written["values"][layer]
+            written["keys"][layer] = keys.at[rows, :, :, slots_written].set(k.astype(keys.dtype), mode="drop")
+            written["values"][layer] = values.at[rows, :, slots_written].set(v.astype(values.dtype), mode="drop")
+            return k, v, "bskd", "bskd"  # the packed ids attend among themselves
+
+        counts = jnp.zeros_like(cache.lengths).at[rows].add((segment_ids > 0).astype(jnp.int32), mode="drop")
+        return write, counts, written
 
 
 def validate_config(model: CausalTransformer) -> None:
