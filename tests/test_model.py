@@ -79,6 +79,30 @@ def test_kv_cache_decode_equals_full_forward():
     np.testing.assert_array_equal(cache.lengths, [12, 12, 12])
 
 
+def test_a_blocked_cache_decodes_as_one_array_and_a_step_may_read_only_its_first_blocks():
+    model = build()
+    variables = init(model)
+    apply = jax.jit(model.apply)
+    tokens = np.random.default_rng(5).integers(0, 40, (2, 12))
+    full = apply(variables, tokens)
+    cache = models.init_cache(model, batch=2, capacity=16, blocks=[4, 4, 8])
+    assert cache.capacity == 16 and [block.shape[3] for block in cache.keys[0]] == [4, 4, 8]
+    logits, cache = apply(variables, tokens[:, :3], cache=cache)
+    pieces = [logits]
+    for t in range(3, 12):
+        reached = 2 if t < 8 else 3  # the blocks holding positions up to t
+        window = models.KVCache(tuple(k[:reached] for k in cache.keys), tuple(v[:reached] for v in cache.values),
+                                cache.lengths)
+        logits, window = apply(variables, tokens[:, t : t + 1], cache=window)
+        cache = models.KVCache(tuple(new + old[reached:] for new, old in zip(window.keys, cache.keys)),
+                               tuple(new + old[reached:] for new, old in zip(window.values, cache.values)),
+                               window.lengths)
+        pieces.append(logits)
+    np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="blocks must be positive sizes that sum to capacity=16"):
+        models.init_cache(model, batch=2, capacity=16, blocks=[8, 4])
+
+
 def test_prefill_of_different_valid_lengths_shares_one_shape():
     model = build()
     variables = init(model)

@@ -65,6 +65,25 @@ def test_contexts_joining_together_are_prefilled_packed(task, monkeypatch):
     assert [r.ids for r in longer] == [r.ids for r in alone[1:3]]
 
 
+def test_decode_steps_read_only_the_cache_blocks_their_requests_reach(task, monkeypatch):
+    import dew.inference.server as server_module
+
+    requests = [(p, 12 + 4 * i, 30 + i) for i, p in enumerate(PROMPTS)]  # up to 15, 23, 21, 29 and 30 ids
+    whole = run(Server.from_task(task, slots=2, capacity=32), requests)
+    windows = []
+    decode = server_module._decode
+    monkeypatch.setattr(server_module, "_decode", lambda *args: windows.append(len(args[2][0][0])) or decode(*args))
+    server = Server.from_task(task, slots=2, capacity=30, block_size=8)
+    assert [block.shape[2] for block in server._kv[0][1][0]] == [8, 8, 14]  # each as large as all before it
+    blocked = run(server, requests)
+    assert sorted(set(windows)) == [1, 2, 3] and windows[0] == 1  # prompts of 3 and 7 ids start in block 1
+    for result, expected in zip(blocked, whole, strict=True):
+        assert result.ids == expected.ids
+        np.testing.assert_allclose(result.old_log_probs, expected.old_log_probs, atol=1e-5)
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        Server.from_task(task, slots=2, capacity=32, block_size=0)
+
+
 def test_lanes_decode_side_by_side_with_each_request_its_own_tokens(task):
     requests = [(p, 4 + i, 10 + i) for i, p in enumerate(PROMPTS)] * 2
     plain = run(Server.from_task(task, slots=4, capacity=32), requests)

@@ -56,27 +56,66 @@ class KVCache:
     (separate arrays per layer, so a decode step updates each in place rather than
     copying a stacked block)
     lengths: [batch] int32, the number of valid positions of each row.
+
+    A layer's keys and values may instead be tuples of blocks that split the positions
+    (block 0 the first ones): a decode step given only the first blocks reads, attends
+    over and writes only those, so a server whose requests are short does not pay for
+    the capacity they leave unused (slicing one array would make XLA copy the window).
     """
 
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
+    keys: tuple[jax.Array | tuple[jax.Array, ...], ...]
+    values: tuple[jax.Array | tuple[jax.Array, ...], ...]
     lengths: jax.Array
 
     @property
     def capacity(self) -> int:
-        return self.values[0].shape[2]
+        return sum(block.shape[2] for block in _blocks(self.values[0]))
 
 
-def init_cache(model: "CausalTransformer", batch: int, capacity: int, dtype=None) -> KVCache:
-    """An empty cache for ``batch`` rows of up to ``capacity`` positions."""
+def _blocks(store) -> tuple[jax.Array, ...]:
+    return store if isinstance(store, tuple) else (store,)
+
+
+def _written(store, rows, slots, update, axis: int):
+    """``store`` (an array or its blocks along position ``axis``) with ``update`` set at (rows, slots).
+
+    rows and slots index the batch and position axes; the indexed block is [batch, length,
+    kv_heads, head_dim] in both layouts. Slots outside a block are dropped there.
+    """
+    update = update.astype(_blocks(store)[0].dtype)
+    out, start = [], 0
+    for block in _blocks(store):
+        size = block.shape[axis]
+        local = slots if not isinstance(store, tuple) else jnp.where((slots >= start) & (slots < start + size), slots - start, size)
+        index = (rows, slice(None), slice(None), local) if axis == 3 else (rows, slice(None), local)
+        out.append(block.at[index].set(update, mode="drop"))
+        start += size
+    return tuple(out) if isinstance(store, tuple) else out[0]
+
+
+def init_cache(model: "CausalTransformer", batch: int, capacity: int, dtype=None, blocks=None) -> KVCache:
+    """An empty cache for ``batch`` rows of up to ``capacity`` positions.
+
+    With ``blocks`` (sizes that sum to ``capacity``), each layer's keys and values are
+    tuples of blocks of those many positions.
+    """
     if batch < 1 or capacity < 1:
         raise ValueError(f"a cache needs batch >= 1 and capacity >= 1, got batch={batch}, capacity={capacity}")
-    shape = (batch, model.kv_heads, capacity, model.head_size)
-    transposed = (batch, model.kv_heads, model.head_size, capacity)
+    if blocks is not None and (sum(blocks) != capacity or min(blocks) < 1):
+        raise ValueError(f"blocks must be positive sizes that sum to capacity={capacity}, got {list(blocks)}")
     dtype = dtype or model.dtype
+    sizes = [capacity] if blocks is None else list(blocks)
+
+    def store(transposed: bool):
+        arrays = tuple(
+            jnp.zeros((batch, model.kv_heads, *((model.head_size, size) if transposed else (size, model.head_size))), dtype)
+            for size in sizes
+        )
+        return arrays if blocks is not None else arrays[0]
+
     return KVCache(
-        keys=tuple(jnp.zeros(transposed, dtype) for _ in range(model.num_layers)),
-        values=tuple(jnp.zeros(shape, dtype) for _ in range(model.num_layers)),
+        keys=tuple(store(True) for _ in range(model.num_layers)),
+        values=tuple(store(False) for _ in range(model.num_layers)),
         lengths=jnp.zeros((batch,), jnp.int32),
     )
 
@@ -153,16 +192,25 @@ class Attention(nn.Module):
         if write is not None:  # stored in the cache; decoding attends over the whole cache row (its layout)
             k, v, key_spec, value_spec = write(k, v)
         if length == 1 and key_spec == "bkds":
-            # A decode step as the plain batched product [B, K, G, D] @ [B, K, D, S]: XLA's CPU
-            # dot runs several times faster than when it has to transpose an operand.
-            scores = jnp.matmul(q[:, 0], k.astype(q.dtype), preferred_element_type=jnp.float32)[:, :, :, None]
+            # A decode step as the plain batched product [B, K, G, D] @ [B, K, D, S] (per block): XLA's
+            # CPU dot runs several times faster than when it has to transpose an operand.
+            scores = jnp.concatenate([
+                jnp.matmul(q[:, 0], block.astype(q.dtype), preferred_element_type=jnp.float32) for block in _blocks(k)
+            ], axis=-1)[:, :, :, None]
         else:
+            if isinstance(k, tuple):  # a prefill that reads a blocked cache
+                k, v = jnp.concatenate(k, axis=-1), jnp.concatenate(v, axis=-2)
             scores = jnp.einsum(f"btkgd,{key_spec}->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         if length == 1 and value_spec == "bksd":
-            out = jnp.matmul(weights[:, :, :, 0], v.astype(self.dtype))[:, None]
+            out, start = 0, 0
+            for block in _blocks(v):
+                size = block.shape[2]
+                out = out + jnp.matmul(weights[:, :, :, 0, start:start + size], block.astype(self.dtype))
+                start += size
+            out = out[:, None]
         else:
             out = jnp.einsum(f"bkgts,{value_spec}->btkgd", weights, v.astype(self.dtype))
         out = out.reshape(batch, length, self.num_heads * self.head_dim)
@@ -329,11 +377,8 @@ class CausalTransformer(nn.Module):
         written = {"keys": list(cache.keys), "values": list(cache.values)}
 
         def write(layer, k, v):
-            # rows and slots index the batch and position axes; the indexed block is
-            # [batch, length, kv_heads, head_dim] in both layouts
-            keys, values = written["keys"][layer], written["values"][layer]
-            written["keys"][layer] = keys.at[rows, :, :, slots_written].set(k.astype(keys.dtype), mode="drop")
-            written["values"][layer] = values.at[rows, :, slots_written].set(v.astype(values.dtype), mode="drop")
+            written["keys"][layer] = _written(written["keys"][layer], rows, slots_written, k, axis=3)
+            written["values"][layer] = _written(written["values"][layer], rows, slots_written, v, axis=2)
             return written["keys"][layer], written["values"][layer], "bkds", "bksd"
 
         return mask, positions, write, lengths, written
@@ -344,9 +389,8 @@ class CausalTransformer(nn.Module):
         written = {"keys": list(cache.keys), "values": list(cache.values)}
 
         def write(layer, k, v):
-            keys, values = written["keys"][layer], written["values"][layer]
-            written["keys"][layer] = keys.at[rows, :, :, slots_written].set(k.astype(keys.dtype), mode="drop")
-            written["values"][layer] = values.at[rows, :, slots_written].set(v.astype(values.dtype), mode="drop")
+            written["keys"][layer] = _written(written["keys"][layer], rows, slots_written, k, axis=3)
+            written["values"][layer] = _written(written["values"][layer], rows, slots_written, v, axis=2)
             return k, v, "bskd", "bskd"  # the packed ids attend among themselves
 
         counts = jnp.zeros_like(cache.lengths).at[rows].add((segment_ids > 0).astype(jnp.int32), mode="drop")
