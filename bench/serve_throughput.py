@@ -11,7 +11,8 @@ round; the peer (bench/peers/hf_generate.py in .venv-ref) runs transformers' gen
 over the same prompts as one left-padded batch.
 
 The decode step's achieved bandwidth is the weights plus the KV cache it reads per step
-divided by the step time, set against this machine's measured copy bandwidth.
+(the cache blocks up to the furthest position of the step's requests, averaged over the
+steps) divided by the step time, set against this machine's measured copy bandwidth.
 
     uv run python bench/serve_throughput.py [--rounds 2]
 
@@ -34,6 +35,7 @@ import numpy as np
 
 from dew import models
 from dew.inference import Server
+from dew.inference.server import BLOCK_SIZE, cache_blocks
 from dew.models.pretrained import Pretrained
 from dew.sampling import Sampling
 
@@ -77,6 +79,13 @@ def peer_round(scratch: str, prompts_file: Path, precision: str) -> dict:
     out = subprocess.run([str(PEER_PYTHON), str(ROOT / "bench" / "peers" / "hf_generate.py"), scratch,
                           str(prompts_file), str(NEW_TOKENS), precision], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def positions_read(prompts: list[list[int]]) -> float:
+    """Cache positions per slot that the Server's decode steps read, averaged over the steps of a round."""
+    ends = np.cumsum(cache_blocks(CAPACITY, BLOCK_SIZE))
+    reach = [max(len(p) for p in prompts) + step + 1 for step in range(NEW_TOKENS)]
+    return statistics.mean(float(ends[min(np.searchsorted(ends, r), len(ends) - 1)]) for r in reach)
 
 
 def main() -> None:
@@ -134,7 +143,8 @@ def main() -> None:
             peer = statistics.median(by["transformers"][key]) if by["transformers"] else None
             best = max(dew, laned or 0.0)
             step = statistics.median(step_seconds[precision][key])
-            kv_bytes = 2 * 6 * concurrency * CAPACITY * 2 * 64 * 4  # float32 keys and values, every layer and slot
+            # float32 keys and values of every layer and slot, over the cache blocks the steps read
+            kv_bytes = 2 * 6 * concurrency * positions_read(prompts[key]) * 2 * 64 * 4
             read = (weight_bytes + kv_bytes) / step / 1e9
             summary[f"{precision}/{key}"] = {"dew": dew, "dew_2_lanes": laned, "transformers": peer,
                                              "step_seconds": step, "read_gbps": read}

@@ -66,6 +66,7 @@ from dew.models.transformer import KVCache, init_cache
 from dew.sampling import Sampling
 
 PACKED_IDS = 256  # prompt ids per packed prefill call (a longer prompt is prefilled alone)
+BLOCK_SIZE = 64  # positions of a cache's first block (see cache_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +224,7 @@ class Server:
 
     def __init__(
         self, model, variables, sampling: Sampling, slots: int, capacity: int, dtype=jnp.float32, lanes: int = 1,
-        block_size: int = 64,
+        block_size: int = BLOCK_SIZE,
     ):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
@@ -264,7 +265,9 @@ class Server:
         self._numbers = itertools.count()
 
     @classmethod
-    def from_task(cls, task: ServingTask, slots: int, capacity: int, lanes: int = 1, block_size: int = 64) -> "Server":
+    def from_task(
+        cls, task: ServingTask, slots: int, capacity: int, lanes: int = 1, block_size: int = BLOCK_SIZE
+    ) -> "Server":
         return cls(task.model, task.variables, task.sampling, slots=slots, capacity=capacity, dtype=task.dtype,
                    lanes=lanes, block_size=block_size)
 
@@ -431,7 +434,8 @@ class Server:
             group, joining = joining[:count], joining[count:]
             width = bucket(total)
             tokens, segments, positions, rows = (np.zeros((1, width), np.int32) for _ in range(4))
-            joins, last, budgets = np.zeros(self._rows, bool), np.zeros(self._rows, np.int32), np.zeros(self._rows, np.int32)
+            joins = np.zeros(self._rows, bool)
+            last, budgets = np.zeros(self._rows, np.int32), np.zeros(self._rows, np.int32)
             keys = np.zeros((self._rows, *self._slots[0].keys.shape[1:]), np.uint32)
             offset = 0
             for number, (slot, ids, budget, seed) in enumerate(group, start=1):

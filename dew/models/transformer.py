@@ -86,7 +86,9 @@ def _written(store, rows, slots, update, axis: int):
     out, start = [], 0
     for block in _blocks(store):
         size = block.shape[axis]
-        local = slots if not isinstance(store, tuple) else jnp.where((slots >= start) & (slots < start + size), slots - start, size)
+        local = slots
+        if isinstance(store, tuple):
+            local = jnp.where((slots >= start) & (slots < start + size), slots - start, size)
         index = (rows, slice(None), slice(None), local) if axis == 3 else (rows, slice(None), local)
         out.append(block.at[index].set(update, mode="drop"))
         start += size
@@ -107,10 +109,8 @@ def init_cache(model: "CausalTransformer", batch: int, capacity: int, dtype=None
     sizes = [capacity] if blocks is None else list(blocks)
 
     def store(transposed: bool):
-        arrays = tuple(
-            jnp.zeros((batch, model.kv_heads, *((model.head_size, size) if transposed else (size, model.head_size))), dtype)
-            for size in sizes
-        )
+        shapes = [(model.head_size, size) if transposed else (size, model.head_size) for size in sizes]
+        arrays = tuple(jnp.zeros((batch, model.kv_heads, *shape), dtype) for shape in shapes)
         return arrays if blocks is not None else arrays[0]
 
     return KVCache(
