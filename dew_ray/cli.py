@@ -89,7 +89,9 @@ def serve(args: argparse.Namespace) -> int:
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, eos_id=eos)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    server = Server(model, variables, sampling, slots=args.slots, capacity=args.capacity, dtype=dtype, lanes=args.lanes)
+    blocks = {} if args.block_size is None else {"block_size": args.block_size}
+    server = Server(model, variables, sampling, slots=args.slots, capacity=args.capacity, dtype=dtype, lanes=args.lanes,
+                    **blocks)
     with NativeRolloutServer(server) as rollout, OpenAIFront(rollout, tokenizer, args.host, args.port, name) as front:
         print(f"dew-ray serve: {name} at {front.url}/v1 ({args.slots} slots of {args.capacity}); Ctrl-C stops",
               flush=True)
@@ -151,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     served.add_argument("--capacity", type=int, default=256)
     served.add_argument("--lanes", type=int, default=1,
                         help="groups of slots that decode side by side on their own threads (must divide --slots)")
+    served.add_argument("--block-size", type=int, default=None,
+                        help="positions of the KV cache's first block (default: the Server's, 64); a decode step "
+                             "reads only the blocks its requests reach")
     served.add_argument("--temperature", type=float, default=1.0)
     served.add_argument("--top-k", type=int, default=None)
     served.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

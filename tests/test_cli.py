@@ -32,7 +32,7 @@ def test_serve_answers_over_http():
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "dew_ray.cli", "serve", "--port", str(port), "--train-steps", "20", "--slots", "2",
-         "--capacity", "64"],
+         "--capacity", "64", "--block-size", "16"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
