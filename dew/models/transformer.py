@@ -19,7 +19,7 @@ One module serves training and generation:
   and not written); the returned cache's lengths grow by the ids written to each row.
   The rows written start empty: a request's prompt is prefilled without padding it to
   the longest prompt beside it, and without computing the rows that have no prompt.
-- ``logits_at=[batch, n]`` (either form with a cache) returns the logits of those
+- ``logits_at=[batch, n]`` (in any of these forms) returns the logits of those
   positions only, ``[batch, n, vocab]``: a prefill needs the last prompt position's, and
   the output product over the others would be a quarter of its work on a small model.
 
@@ -189,7 +189,7 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
         key_spec, value_spec = "bskd", "bskd"  # keys and values as projected, [B, S, K, D]
-        if write is not None:  # stored in the cache; decoding attends over the whole cache row (its layout)
+        if write is not None:  # stored in the cache; decoding attends over the cache blocks given (their layout)
             k, v, key_spec, value_spec = write(k, v)
         if length == 1 and key_spec == "bkds":
             # A decode step as the plain batched product [B, K, G, D] @ [B, K, D, S] (per block): XLA's
