@@ -35,7 +35,7 @@ import numpy as np
 
 from dew import models
 from dew.inference import Server
-from dew.inference.server import BLOCK_SIZE, cache_blocks
+from dew.inference.server import BLOCK_SIZE, blocks_reaching, cache_blocks
 from dew.models.pretrained import Pretrained
 from dew.sampling import Sampling
 
@@ -85,7 +85,7 @@ def positions_read(prompts: list[list[int]]) -> float:
     """Cache positions per slot that the Server's decode steps read, averaged over the steps of a round."""
     ends = np.cumsum(cache_blocks(CAPACITY, BLOCK_SIZE))
     reach = [max(len(p) for p in prompts) + step + 1 for step in range(NEW_TOKENS)]
-    return statistics.mean(float(ends[min(np.searchsorted(ends, r), len(ends) - 1)]) for r in reach)
+    return statistics.mean(float(ends[blocks_reaching(ends, r) - 1]) for r in reach)
 
 
 def main() -> None:

@@ -213,6 +213,11 @@ def cache_blocks(capacity: int, first: int) -> list[int]:
     return sizes
 
 
+def blocks_reaching(ends: np.ndarray, positions: int) -> int:
+    """How many of the blocks ending at ``ends`` hold the first ``positions`` positions (at most all of them)."""
+    return min(int(np.searchsorted(ends, positions)) + 1, len(ends))
+
+
 def _rows(values: np.ndarray, rows: int) -> jax.Array:
     """``values`` with inert zero rows appended up to ``rows``."""
     padding = [(0, rows - len(values))] + [(0, 0)] * (values.ndim - 1)
@@ -247,16 +252,17 @@ class Server:
         # (with bfloat16 weights it even converts every weight to float32 each step); a spare row is nearly free.
         self._rows = max(2, width)
         rows = self._rows
+        blocks = cache_blocks(capacity, block_size)
+        self._ends = np.cumsum(blocks)  # positions up to each block's end
         self._kv, self._slots = [], []
         for _ in range(lanes):
-            cache = init_cache(model, rows, capacity, blocks=cache_blocks(capacity, block_size))
+            cache = init_cache(model, rows, capacity, blocks=blocks)
             self._kv.append((cache.keys, cache.values))
             self._slots.append(_Slots(
                 lengths=cache.lengths, last=jnp.zeros((rows, model.vocab_size), jnp.float32),
                 keys=jnp.zeros((rows, *jax.random.key_data(jax.random.key(0)).shape), jnp.uint32),
                 steps=jnp.zeros(rows, jnp.int32), budgets=jnp.zeros(rows, jnp.int32), alive=jnp.zeros(rows, bool),
             ))
-        self._ends = np.cumsum([block.shape[2] for block in cache.values[0]])  # positions up to each block's end
         self._pool = ThreadPoolExecutor(lanes, thread_name_prefix="dew-lane") if lanes > 1 else None
         self._ahead: list[_Launched | None] = [None] * lanes  # each lane's next step, started before its last was read
         self._active: list[_Active | None] = [None] * slots
@@ -338,8 +344,7 @@ class Server:
         keep = np.array([entry is not None for entry in owners])
         held = [entry for entry in owners if entry is not None]
         # The step reads and writes only the cache blocks up to the furthest position it writes.
-        blocks = int(np.searchsorted(self._ends, max(e.context + e.launched + 1 for e in held))) + 1 if held else 1
-        blocks = min(blocks, len(self._ends))
+        blocks = blocks_reaching(self._ends, max(e.context + e.launched + 1 for e in held)) if held else 1
         for entry in held:
             entry.launched += 1
         keys, values = self._kv[lane]
