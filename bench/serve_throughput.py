@@ -1,18 +1,26 @@
 """Native Server generation throughput against transformers' generate on the same weights.
 
 Model: the 12.6M-parameter Qwen3-shaped decoder of shared/PERF.md, randomly initialised
-in dew, exported with Pretrained.save for the peer. Requests: prompts of 16 to 48 ids
-(mixed lengths), 128 new tokens each, top-k 50, no EOS stop. Served in float32 and in
-bfloat16 (dew: bfloat16 weights and weight products with float32 accumulation; the
-peer: the model loaded in bfloat16). For 1, 8 and 32 concurrent requests, dew's
-continuous-batching Server (as many slots as requests, in one lane and, from 8
-requests, in two lanes decoding side by side) runs them to completion after a warm-up
-round; the peer (bench/peers/hf_generate.py in .venv-ref) runs transformers' generate
-over the same prompts as one left-padded batch.
+in dew, exported with Pretrained.save for the peer. Prompts of 16 to 48 ids (mixed
+lengths), top-k 50, no EOS stop, served in float32 and in bfloat16 (dew: bfloat16
+weights and weight products with float32 accumulation; the peer: the model loaded in
+bfloat16). Two workloads for 1, 8 and 32 concurrent requests:
 
-The decode step's achieved bandwidth is the weights plus the KV cache it reads per step
-(the cache blocks up to the furthest position of the step's requests, averaged over the
-steps) divided by the step time, set against this machine's measured copy bandwidth.
+- fixed: that many requests of 128 new tokens each, all at once;
+- mixed: eight times as many requests, each with its own budget of 16 to 128 new
+  tokens (as responses end at EOS at different lengths), that many at a time.
+
+dew's continuous-batching Server (as many slots as concurrent requests, in one lane and,
+from 8 requests, in two lanes decoding side by side) gets every request at once and runs
+them to completion, a queued request taking the first slot that frees; after a warm-up
+round. The peer (bench/peers/hf_generate.py in .venv-ref) runs transformers' generate
+over the same requests in left-padded batches of that many, in order, each batch until
+its largest budget; only the budgets count as generated tokens for both.
+
+The decode step's achieved bandwidth (fixed workload) is the weights plus the KV cache
+it reads per step (the cache blocks up to the furthest position of the step's requests,
+averaged over the steps) divided by the step time, set against this machine's measured
+copy bandwidth.
 
     uv run python bench/serve_throughput.py [--rounds 2]
 
@@ -44,7 +52,10 @@ PEER_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
 CONCURRENCY = (1, 8, 32)
 LANES = {1: (1,), 8: (1, 2), 32: (1, 2)}
 PRECISIONS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+WORKLOADS = ("fixed", "mixed")
 NEW_TOKENS, CAPACITY = 128, 192
+MIXED_BUDGETS = (16, 128)  # each request's budget is drawn from this range
+MIXED_REQUESTS = 8  # requests per concurrent one: a rollout batch of 256 at 32 concurrent
 
 
 def copy_bandwidth() -> float:
@@ -61,23 +72,37 @@ def _timed(work) -> float:
     return time.perf_counter() - start
 
 
-def dew_round(model, variables, prompts: list[list[int]], dtype, lanes: int = 1) -> tuple[float, float]:
-    """(tokens per second, seconds per decode step) for one batch of requests run to completion."""
-    server = Server(model, variables, Sampling(temperature=1.0, top_k=50), slots=len(prompts), capacity=CAPACITY,
-                    dtype=dtype, lanes=lanes)
-    for index, prompt in enumerate(prompts):
-        server.submit(prompt, NEW_TOKENS, seed=index)
-    steps, start = 0, time.perf_counter()
+def make_workloads(rng) -> dict[str, dict]:
+    """``<workload>/<concurrency>`` -> {"concurrency", "prompts", "budgets"}: the requests both runners serve."""
+    prompt = lambda: rng.integers(1, 8192, rng.integers(16, 49)).tolist()  # noqa: E731
+    out = {f"fixed/{c}": {"concurrency": c, "prompts": [prompt() for _ in range(c)], "budgets": [NEW_TOKENS] * c}
+           for c in CONCURRENCY}
+    for c in CONCURRENCY:
+        count = c * MIXED_REQUESTS
+        out[f"mixed/{c}"] = {"concurrency": c, "prompts": [prompt() for _ in range(count)],
+                             "budgets": rng.integers(MIXED_BUDGETS[0], MIXED_BUDGETS[1] + 1, count).tolist()}
+    return out
+
+
+def dew_round(model, variables, work: dict, dtype, lanes: int = 1) -> tuple[float, float]:
+    """(tokens per second, seconds per decode step) for one workload run to completion."""
+    server = Server(model, variables, Sampling(temperature=1.0, top_k=50), slots=work["concurrency"],
+                    capacity=CAPACITY, dtype=dtype, lanes=lanes)
+    for index, (prompt, budget) in enumerate(zip(work["prompts"], work["budgets"], strict=True)):
+        server.submit(prompt, budget, seed=index)
+    steps, generated, start = 0, 0, time.perf_counter()
     while server.busy:
-        server.step()
+        generated += sum(len(done.ids) for done in server.step())
         steps += 1
     seconds = time.perf_counter() - start
-    return len(prompts) * NEW_TOKENS / seconds, seconds / steps
+    if generated != sum(work["budgets"]):  # no EOS: every request runs to its budget
+        raise RuntimeError(f"the Server generated {generated} tokens for budgets summing to {sum(work['budgets'])}")
+    return generated / seconds, seconds / steps
 
 
-def peer_round(scratch: str, prompts_file: Path, precision: str) -> dict:
+def peer_round(scratch: str, workloads_file: Path, precision: str) -> dict:
     out = subprocess.run([str(PEER_PYTHON), str(ROOT / "bench" / "peers" / "hf_generate.py"), scratch,
-                          str(prompts_file), str(NEW_TOKENS), precision], capture_output=True, text=True, check=True)
+                          str(workloads_file), precision], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -95,62 +120,65 @@ def main() -> None:
     model = models.build("causal_transformer", vocab_size=8192, emb_features=384, num_layers=6, num_heads=6,
                          num_kv_heads=2, head_dim=64, mlp_features=1024, max_seq_len=CAPACITY, qk_norm=True)
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
-    rng = np.random.default_rng(0)
-    prompts = {str(c): [rng.integers(1, 8192, rng.integers(16, 49)).tolist() for _ in range(c)] for c in CONCURRENCY}
+    workloads = make_workloads(np.random.default_rng(0))
     bandwidth = copy_bandwidth()
-    # rates[precision][runner][concurrency] -> tokens/s of each round
+    # rates[precision][runner][workload] -> tokens/s of each round
     rates = {p: {"dew": {}, "dew, 2 lanes": {}, "transformers": {}} for p in PRECISIONS}
     step_seconds = {p: {} for p in PRECISIONS}
     version = None
     with tempfile.TemporaryDirectory() as scratch:
         Pretrained.from_model(model).save(variables, scratch)
-        prompts_file = Path(scratch) / "prompts.json"
-        prompts_file.write_text(json.dumps(prompts))
+        workloads_file = Path(scratch) / "workloads.json"
+        workloads_file.write_text(json.dumps(workloads))
         for precision, dtype in PRECISIONS.items():  # compile every shape before timing
-            for concurrency in CONCURRENCY:
-                for lanes in LANES[concurrency]:
-                    dew_round(model, variables, prompts[str(concurrency)], dtype, lanes)
+            for work in workloads.values():
+                for lanes in LANES[work["concurrency"]]:
+                    dew_round(model, variables, work, dtype, lanes)
         for index in range(args.rounds):
             for precision, dtype in PRECISIONS.items():
                 by = rates[precision]
-                for concurrency in CONCURRENCY:
-                    key = str(concurrency)
-                    rate, step = dew_round(model, variables, prompts[key], dtype)
+                for key, work in workloads.items():
+                    rate, step = dew_round(model, variables, work, dtype)
                     by["dew"].setdefault(key, []).append(rate)
                     step_seconds[precision].setdefault(key, []).append(step)
-                    if 2 in LANES[concurrency]:
-                        by["dew, 2 lanes"].setdefault(key, []).append(dew_round(model, variables, prompts[key], dtype, 2)[0])
+                    if 2 in LANES[work["concurrency"]]:
+                        by["dew, 2 lanes"].setdefault(key, []).append(dew_round(model, variables, work, dtype, 2)[0])
                 if PEER_PYTHON.exists():
-                    peer = peer_round(scratch, prompts_file, precision)
+                    peer = peer_round(scratch, workloads_file, precision)
                     version = peer.pop("transformers")
                     for key, rate in peer.items():
                         by["transformers"].setdefault(key, []).append(rate)
-                print(f"round {index + 1}/{args.rounds}, {precision}: " + "; ".join(
-                    f"{name} " + ", ".join(f"{c}: {v[-1]:.0f}" for c, v in runs.items()) for name, runs in by.items() if runs))
+                latest = (f"{name} " + ", ".join(f"{c}: {v[-1]:.0f}" for c, v in runs.items())
+                          for name, runs in by.items() if runs)
+                print(f"round {index + 1}/{args.rounds}, {precision}: " + "; ".join(latest))
 
-    print(f"\nGeneration, 12.6M-parameter decoder, prompts 16-48 ids, {NEW_TOKENS} new tokens, top-k 50, 2 CPU cores; "
-          f"copy bandwidth {bandwidth:.1f} GB/s")
-    print(f"{'precision':>9} {'concurrency':>11} {'dew tok/s':>10} {'2 lanes':>8} {'HF tok/s':>9} {'ratio':>7} "
-          f"{'step ms':>8} {'read GB/s':>10} {'of copy':>8}")
+    print(f"\nGeneration, 12.6M-parameter decoder, prompts 16-48 ids, top-k 50, 2 CPU cores; fixed: {NEW_TOKENS} new "
+          f"tokens per request; mixed: {MIXED_REQUESTS}x as many requests as concurrent, {MIXED_BUDGETS[0]}-"
+          f"{MIXED_BUDGETS[1]} new tokens each; copy bandwidth {bandwidth:.1f} GB/s")
+    print(f"{'precision':>9} {'workload':>8} {'concurrency':>11} {'dew tok/s':>10} {'2 lanes':>8} {'HF tok/s':>9} "
+          f"{'ratio':>7} {'step ms':>8} {'read GB/s':>10} {'of copy':>8}")
     summary = {}
     for precision, dtype in PRECISIONS.items():
         by = rates[precision]
         weight_bytes = sum(x.size * jnp.dtype(dtype).itemsize for x in jax.tree.leaves(variables))
-        for concurrency in CONCURRENCY:
-            key = str(concurrency)
+        for key, work in workloads.items():
+            kind, concurrency = key.split("/")[0], work["concurrency"]
             dew = statistics.median(by["dew"][key])
             laned = statistics.median(by["dew, 2 lanes"][key]) if key in by["dew, 2 lanes"] else None
             peer = statistics.median(by["transformers"][key]) if by["transformers"] else None
             best = max(dew, laned or 0.0)
             step = statistics.median(step_seconds[precision][key])
-            # float32 keys and values of every layer and slot, over the cache blocks the steps read
-            kv_bytes = 2 * 6 * concurrency * positions_read(prompts[key]) * 2 * 64 * 4
-            read = (weight_bytes + kv_bytes) / step / 1e9
+            read = None
+            if kind == "fixed":  # every step holds every request: the bytes read per step are known
+                # float32 keys and values of every layer and slot, over the cache blocks the steps read
+                kv_bytes = 2 * 6 * concurrency * positions_read(work["prompts"]) * 2 * 64 * 4
+                read = (weight_bytes + kv_bytes) / step / 1e9
             summary[f"{precision}/{key}"] = {"dew": dew, "dew_2_lanes": laned, "transformers": peer,
                                              "step_seconds": step, "read_gbps": read}
-            print(f"{precision:>9} {concurrency:>11} {dew:>10.0f} {(f'{laned:.0f}' if laned else '-'):>8} "
+            print(f"{precision:>9} {kind:>8} {concurrency:>11} {dew:>10.0f} {(f'{laned:.0f}' if laned else '-'):>8} "
                   f"{(f'{peer:.0f}' if peer else '-'):>9} {(f'{best / peer:.2f}x' if peer else '-'):>7} "
-                  f"{step * 1e3:>8.2f} {read:>10.1f} {read / bandwidth:>7.0%}")
+                  f"{step * 1e3:>8.2f} {(f'{read:.1f}' if read else '-'):>10} "
+                  f"{(f'{read / bandwidth:.0%}' if read else '-'):>8}")
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / "serve_throughput.json").write_text(json.dumps(
@@ -160,19 +188,21 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(PRECISIONS), figsize=(10, 3), sharey=True)
+    figure, axes = plt.subplots(len(WORKLOADS), len(PRECISIONS), figsize=(10, 6), sharey=True, squeeze=False)
     positions = np.arange(len(CONCURRENCY))
-    for axis, precision in zip(axes, PRECISIONS, strict=True):
-        rows = [summary[f"{precision}/{c}"] for c in CONCURRENCY]
-        axis.bar(positions - 0.27, [r["dew"] for r in rows], 0.27, label="dew Server", color="#4477aa")
-        axis.bar(positions, [r["dew_2_lanes"] or 0 for r in rows], 0.27, label="dew Server, 2 lanes", color="#66ccee")
-        if version:
-            axis.bar(positions + 0.27, [r["transformers"] for r in rows], 0.27,
-                     label=f"transformers {version} generate", color="#bbbbbb")
-        axis.set_xticks(positions, [f"{c} concurrent" for c in CONCURRENCY])
-        axis.set_title(precision)
-    axes[0].set_ylabel("generated tokens per second")
-    axes[0].legend()
+    for row, kind in enumerate(WORKLOADS):
+        for axis, precision in zip(axes[row], PRECISIONS, strict=True):
+            rows = [summary[f"{precision}/{kind}/{c}"] for c in CONCURRENCY]
+            axis.bar(positions - 0.27, [r["dew"] for r in rows], 0.27, label="dew Server", color="#4477aa")
+            axis.bar(positions, [r["dew_2_lanes"] or 0 for r in rows], 0.27, label="dew Server, 2 lanes",
+                     color="#66ccee")
+            if version:
+                axis.bar(positions + 0.27, [r["transformers"] for r in rows], 0.27,
+                         label=f"transformers {version} generate", color="#bbbbbb")
+            axis.set_xticks(positions, [f"{c} concurrent" for c in CONCURRENCY])
+            axis.set_title(f"{precision}, {kind} budgets")
+        axes[row][0].set_ylabel("generated tokens per second")
+    axes[0][0].legend()
     figure.tight_layout()
     figure.savefig(results / "serve_throughput.png", dpi=120)
     print(f"wrote {results / 'serve_throughput.json'} and {results / 'serve_throughput.png'}")

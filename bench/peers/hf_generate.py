@@ -1,9 +1,13 @@
 """Peer for bench/serve_throughput.py: transformers' generate on the same weights (run in .venv-ref).
 
-Loads the checkpoint dew exported (Pretrained.save), then for each concurrency samples
-128 new tokens (top-k 50, no EOS stop) for that many left-padded prompts in one
-generate call, after one warm-up call, on 2 threads, in float32 or (4th argument) bfloat16. Prints {"<concurrency>": tokens
-per second, ..., "transformers": version} as JSON.
+Loads the checkpoint dew exported (Pretrained.save), then runs each workload of the
+workloads file: its requests in batches of ``concurrency``, in order, each batch one
+left-padded generate call (top-k 50, no EOS stop) of as many new tokens as the batch's
+largest budget, after one untimed warm-up call on the first batch; on 2 threads, in
+float32 or (4th argument) bfloat16. A batch runs until its longest request is done, as
+generate does when its rows reach EOS at different steps, so only each request's budget
+counts as generated. Prints {"<workload>": tokens per second, ..., "transformers":
+version} as JSON.
 """
 
 import json
@@ -15,27 +19,34 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 
-def main(directory: str, prompts_file: str, new_tokens: int, precision: str = "float32") -> None:
+def generate(model, rows: list[list[int]], new_tokens: int) -> None:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):  # left padding, as generate expects for a decoder
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
+                   top_k=50, pad_token_id=0)
+
+
+def main(directory: str, workloads_file: str, precision: str = "float32") -> None:
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, precision)).eval()
-    prompts = json.loads(open(prompts_file).read())
+    workloads = json.loads(open(workloads_file).read())
     results = {"transformers": transformers.__version__}
-    for concurrency, rows in prompts.items():
-        width = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, row in enumerate(rows):  # left padding, as generate expects for a decoder
-            ids[i, width - len(row):] = torch.tensor(row)
-            mask[i, width - len(row):] = 1
-        kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                      top_k=50, pad_token_id=0)
-        with torch.no_grad():
-            model.generate(ids, **kwargs)
+    with torch.no_grad():
+        for name, work in workloads.items():
+            size = work["concurrency"]
+            batches = [range(start, min(start + size, len(work["prompts"])))
+                       for start in range(0, len(work["prompts"]), size)]
+            generate(model, [work["prompts"][i] for i in batches[0]], max(work["budgets"][i] for i in batches[0]))
             start = time.perf_counter()
-            model.generate(ids, **kwargs)
-        results[concurrency] = len(rows) * new_tokens / (time.perf_counter() - start)
+            for batch in batches:
+                generate(model, [work["prompts"][i] for i in batch], max(work["budgets"][i] for i in batch))
+            results[name] = sum(work["budgets"]) / (time.perf_counter() - start)
     print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])
+    main(sys.argv[1], sys.argv[2], *sys.argv[3:4])
