@@ -38,12 +38,12 @@ def main(directory: str, workloads_file: str, precision: str = "float32") -> Non
     with torch.no_grad():
         for name, work in workloads.items():
             size = work["concurrency"]
-            batches = [range(start, min(start + size, len(work["prompts"])))
+            batches = [(work["prompts"][start:start + size], max(work["budgets"][start:start + size]))
                        for start in range(0, len(work["prompts"]), size)]
-            generate(model, [work["prompts"][i] for i in batches[0]], max(work["budgets"][i] for i in batches[0]))
+            generate(model, *batches[0])
             start = time.perf_counter()
             for batch in batches:
-                generate(model, [work["prompts"][i] for i in batch], max(work["budgets"][i] for i in batch))
+                generate(model, *batch)
             results[name] = sum(work["budgets"]) / (time.perf_counter() - start)
     print(json.dumps(results))
 
