@@ -37,7 +37,7 @@ MODES = {"async (max_lag=1, ahead=1)": (1, 1), "sync (max_lag=0, ahead=0)": (0, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=RLVRConfig.steps)
+    parser.add_argument("--steps", type=int, default=RLVRConfig.model_fields["steps"].default)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     results = {}
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         results[mode] = run(RLVRConfig(steps=args.steps, seed=args.seed, max_lag=max_lag, ahead=ahead), warm=warm)
     cores = os.cpu_count()
     print(f"\n{args.steps} GRPO updates, seed {args.seed}, {cores} CPU cores "
-          f"(evaluation reward: {RLVRConfig.eval_tasks} tasks x {RLVRConfig.eval_samples} samples at temperature 1)")
+          f"(evaluation reward: {RLVRConfig().eval_tasks} tasks x {RLVRConfig().eval_samples} samples at temperature 1)")
     header = (f"{'mode':<28} {'reward start':>12} {'reward end':>10} {'wait share':>10} {'waited s':>9} "
               f"{'after 1st s':>11} {'GRPO s':>7} {'run s':>7}")
     print(header)

@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from dew.data.dataset import Partition
+from dew.data.dataset import Partition, local_partition
 
 DATA_AXIS = "data"
 
@@ -35,11 +35,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def row_sharded(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
-
-
-def local_partition() -> Partition:
-    """This process's partition of the data: its process index among all processes."""
-    return Partition(index=jax.process_index(), count=jax.process_count())
 
 
 def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

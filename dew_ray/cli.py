@@ -117,11 +117,13 @@ def rlvr(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    run_dir = config.run_dir
     print(f"dew-ray rlvr: {config.steps} GRPO updates of {config.tasks_per_step} tasks x {config.samples} samples, "
-          f"{config.servers} rollout server(s), {config.sandbox_runners} sandbox runner(s), run directory {run_dir}",
-          flush=True)
-    summary = pipeline.run(config, args.address)
+          f"{config.servers} rollout server(s), {config.sandbox_runners} sandbox runner(s)", flush=True)
+    try:
+        summary = pipeline.run(config, args.address)
+    except pipeline.PreflightError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     pipeline.print_summary(summary)
     return 0
 

@@ -14,7 +14,7 @@ With ``drop_dead=True`` an actor that has died is not a failure: it leaves the b
 An actor here is anything whose ``load.remote(variables, version)`` returns an ObjectRef
 of the version it serves: :class:`dew_ray.actors.RolloutServerActor` is one. Publishers
 for vLLM/SGLang replicas (safetensors reload, NCCL) plug in beside this one with the same
-``load``/``version`` interface.
+``load``/``version`` interface (:class:`dew.inference.WeightPublisher`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import jax
 import numpy as np
 import ray
 from ray.exceptions import RayActorError, RayTaskError
+
+from dew.inference import WeightPublisher
 
 
 def host_tree(variables):
@@ -39,7 +41,7 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-class WeightBroadcast:
+class WeightBroadcast(WeightPublisher):
     """Versioned weight publication to Ray actors (see the module docstring)."""
 
     def __init__(self, actors: Sequence, names: Sequence[str] | None = None, version: int = 0, timeout: float = 600.0,

@@ -14,7 +14,7 @@ What it does, all in this process on CPU:
    :mod:`dew.data.verifiable`), sampling at temperature 1 through the rollout server
    with fixed seeds;
 4. trains GRPO (:class:`~dew.objectives.rl.GRPOObjective`) with a
-   :class:`~dew.objectives.rl.scheduler.RolloutScheduler` over a
+   :class:`~dew.collection.scheduler.RolloutScheduler` over a
    :class:`~dew.objectives.rl.PromptSource` on a
    :class:`~dew.inference.NativeRolloutServer`, ``truncation="score"``: each batch's
    rollouts run on the server's thread while the trainer updates on the batch before,
@@ -40,91 +40,25 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from dew import Trainer
-from dew.data import Loading, Prompts
-from dew.data.verifiable import (
-    VerifiableTask,
-    shared_prompts,
-    task_rows,
-    task_tokenizer,
-    verifiable_reward,
-    verifiable_tasks,
-)
+from dew.collection.scheduler import SchedulerRecord
+from dew.data import Loading
+from dew.data.verifiable import VerifiableTask, shared_prompts, task_rows, task_tokenizer
 from dew.inference import NativeRolloutServer, Server
-from dew.objectives.rl import GRPOObjective, PromptSource
-from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord, prompt_tasks
-from dew.sampling import Sampling
 from dew.recipes import rlvr
-from dew.recipes.rlvr import RUNNERS, SANDBOX_LIMITS, decoder, measure_reward, sandbox_runner
+from dew.recipes.rewards import verifiable_reward
+from dew.sampling import Sampling
+from dew.recipes.rlvr import RUNNERS, SANDBOX_LIMITS, built_in_tasks, decoder, grpo_job, measure_reward, sandbox_runner
 from dew.sandbox import SandboxFleet
-EVAL_SEED_OFFSET = 1_000_000  # evaluation tasks come from their own stream of seeds
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RLVRConfig:
-    """Options of one run; checked when built.
+class RLVRConfig(rlvr.RLVRConfig):
+    """The built-in run's options (:class:`dew.recipes.rlvr.RLVRConfig`) and where this run writes.
 
-    steps: GRPO updates; seed: tasks, initialisation, SFT order and sampling seeds;
-    max_lag, ahead, sync_every: the scheduler's staleness bound, batches submitted
-    ahead of the one trained on, and updates between weight pushes (max_lag must be
-    at least ahead + sync_every - 1); tasks_per_step: prompts per GRPO batch;
-    samples: completions per prompt (the group size); sft_steps, sft_batch,
-    sft_learning_rate: the warm start; learning_rate: GRPO's Adam step;
-    train_tasks: tasks the SFT demonstrations and GRPO prompts come from;
-    eval_tasks, eval_samples: the evaluation measurement; max_new_tokens: the response
-    budget; slots: the rollout server's concurrent requests; sandbox_workers: programs
-    run at once; runner: "bwrap" (bubblewrap) or "process" (trusted code only);
-    output_dir: where metrics, checkpoints and result.json go (None: nowhere);
-    progress: show the trainers' progress bars.
+    output_dir: where metrics, checkpoints and result.json go (None: nowhere).
     """
 
-    steps: int = 120
-    seed: int = 0
-    max_lag: int = 1
-    ahead: int = 1
-    sync_every: int = 1
-    tasks_per_step: int = 8
-    samples: int = 8
-    sft_steps: int = 300
-    sft_batch: int = 32
-    sft_learning_rate: float = 1e-2
-    learning_rate: float = 3e-4
-    clip: float = 1.0
-    train_tasks: int = 2000
-    eval_tasks: int = 64
-    eval_samples: int = 4
-    max_new_tokens: int = 32
-    slots: int = 64
-    sandbox_workers: int = 2
-    runner: str = "bwrap"
     output_dir: str | None = None
-    progress: bool = True
-
-    def __post_init__(self):
-        positive = ("steps", "tasks_per_step", "sft_batch", "train_tasks", "eval_tasks", "eval_samples",
-                    "max_new_tokens", "slots", "sandbox_workers", "sync_every")
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, low in (("max_lag", 0), ("ahead", 0), ("sft_steps", 0), ("samples", 2), ("seed", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        for name in ("learning_rate", "sft_learning_rate"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-                raise ValueError(f"{name} must be a number in (0, 1), got {value!r}")
-        if self.max_lag < self.ahead + self.sync_every - 1:
-            raise ValueError(f"max_lag must be at least ahead + sync_every - 1 = {self.ahead + self.sync_every - 1}, "
-                             f"got {self.max_lag}")
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
-        if self.train_tasks < self.tasks_per_step:
-            raise ValueError(f"train_tasks ({self.train_tasks}) must fill at least one batch of "
-                             f"tasks_per_step={self.tasks_per_step}")
 
 
 @dataclasses.dataclass
@@ -161,7 +95,7 @@ class RLVRResult:
     def summary(self) -> dict:
         """The result as JSON-ready values (records reduced to their main numbers)."""
         return {
-            "config": dataclasses.asdict(self.config),
+            "config": self.config.model_dump(),
             "reward_before": self.reward_before, "reward_after": self.reward_after,
             "family_before": self.family_before, "family_after": self.family_after,
             "wait_share": self.wait_share, "waited": self.waited,
@@ -218,8 +152,7 @@ def warm_start(config: RLVRConfig, output_dir: Path | None = None) -> WarmStart:
     """Build the tasks and the decoder and run the SFT warm start on the demonstrations (answers only)."""
     started = time.perf_counter()
     tokenizer = task_tokenizer()
-    train = verifiable_tasks(config.train_tasks, seed=config.seed)
-    held_out = verifiable_tasks(config.eval_tasks, seed=EVAL_SEED_OFFSET + config.seed)
+    train, held_out = built_in_tasks(config)
     prompt_len = max(len(tokenizer.encode(t.prompt, add_special_tokens=False)) for t in train + held_out)
     width = prompt_len + config.max_new_tokens  # one chain: the prompt, then the response
     model = decoder(len(tokenizer), max_seq_len=width)
@@ -256,14 +189,11 @@ def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLV
                                                         warm.width, warm.params)
     prompt_len = width - config.max_new_tokens
     parameters = sum(int(np.size(x)) for x in jax.tree.leaves(params))
-    key = jax.random.key(config.seed)
     fleet = _fleet(config)
     reward = verifiable_reward(fleet)
 
     sampling = Sampling(eos_id=tokenizer.eos_token_id, temperature=1.0)
     server = NativeRolloutServer(Server(model, params, sampling, slots=config.slots, capacity=width), version=0)
-    source = PromptSource(server, reward, decode=tokenizer.decode, max_new_tokens=config.max_new_tokens,
-                          eos_ids=(tokenizer.eos_token_id,), workers=max(2, config.sandbox_workers))
     try:
         mark = time.perf_counter()
         eval_seed = config.seed + 1
@@ -271,38 +201,17 @@ def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLV
                                 eval_seed)
         seconds["eval_before"] = time.perf_counter() - mark
 
-        # 2. GRPO through the scheduler. Each chain is at most one row, so tasks_per_step * samples rows
-        # always hold a batch: no group is ever cut for room.
+        # 2. GRPO through the scheduler. In file order the families alternate, so every batch (of an even
+        # size) holds both equally and the training reward of one batch compares with the next.
         mark = time.perf_counter()
-        objective = GRPOObjective(model, seq_len=width - 1, pretrained=params, behavior_importance=2.0)
-        records: list[SchedulerRecord] = []
-        scheduler = RolloutScheduler(
-            objective, source, server, width=width, rows=config.tasks_per_step * config.samples, tasks=prompt_tasks,
-            groups=config.samples, max_lag=config.max_lag, ahead=config.ahead, sync_every=config.sync_every,
-            truncation="score", log=records.append,
-        )
-        entered: list[float] = []
-
-        trained: list[int] = []
-
-        def rollout(batch, variables, version, rollout_key):
-            entered.append(time.perf_counter())  # call i + 1 starts when update i has finished
-            out = scheduler(batch, variables, version, rollout_key)
-            sessions = set() if out is None else set(out["session_index"][out["response_mask"] != 0].tolist())
-            trained.append(len(sessions))
-            return out
-
-        # In file order the families alternate, so every batch (of an even size) holds both equally
-        # and the training reward of one batch compares with the next.
-        prompts = Prompts(records=task_rows(train), tokenizer=tokenizer, max_prompt_len=prompt_len,
-                          loading=Loading(shuffle=False)).load(batch=config.tasks_per_step)
-        grpo = Trainer(objective, optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(config.learning_rate)),
-                       key=jax.random.fold_in(key, 2), rollout=rollout,
-                       progress=config.progress, output_dir=None if out is None else out / "grpo")
+        job = grpo_job(config, model, params, tokenizer, task_rows(train), prompt_len, server, reward,
+                       loading=Loading(shuffle=False), score_workers=max(2, config.sandbox_workers),
+                       output_dir=None if out is None else out / "grpo")
         try:
-            state = grpo.fit(scheduler.tasks(prompts), steps=config.steps, log_every=max(1, config.steps // 4))
+            state = job.trainer.fit(job.data, steps=config.steps, log_every=max(1, config.steps // 4))
         finally:
-            scheduler.close()
+            job.close()
+        records, entered, trained = job.records, job.entered, job.sessions
         finished = time.perf_counter()
         seconds["grpo"] = finished - mark
         waited = sum(r.waited for r in records[1:])
@@ -316,7 +225,6 @@ def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLV
                                eval_seed)
         seconds["eval_after"] = time.perf_counter() - mark
     finally:
-        source.close()
         server.close()
         fleet.close()
     seconds["total"] = time.perf_counter() - started
@@ -333,13 +241,14 @@ def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLV
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=RLVRConfig.steps, help="GRPO updates")
-    parser.add_argument("--seed", type=int, default=RLVRConfig.seed)
-    parser.add_argument("--max-lag", type=int, default=RLVRConfig.max_lag,
+    default = RLVRConfig()
+    parser.add_argument("--steps", type=int, default=default.steps, help="GRPO updates")
+    parser.add_argument("--seed", type=int, default=default.seed)
+    parser.add_argument("--max-lag", type=int, default=default.max_lag,
                         help="updates a rollout may lag the trainer (>= ahead + sync_every - 1)")
-    parser.add_argument("--ahead", type=int, default=RLVRConfig.ahead, help="batches submitted ahead of training")
-    parser.add_argument("--sft-steps", type=int, default=RLVRConfig.sft_steps, help="warm-start SFT steps")
-    parser.add_argument("--runner", choices=RUNNERS, default=RLVRConfig.runner,
+    parser.add_argument("--ahead", type=int, default=default.ahead, help="batches submitted ahead of training")
+    parser.add_argument("--sft-steps", type=int, default=default.sft_steps, help="warm-start SFT steps")
+    parser.add_argument("--runner", choices=RUNNERS, default=default.runner,
                         help="sandbox for the code tasks ('process' isolates nothing: trusted code only)")
     parser.add_argument("--output-dir", default=None, help="write metrics, checkpoints and result.json here")
     args = parser.parse_args(argv)

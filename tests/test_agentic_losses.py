@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.objectives.rl.losses import (
+from dew.losses import (
     aggregate,
     cispo_surrogate,
     group_advantages,
@@ -35,6 +35,7 @@ ROW_SEGMENTS = jnp.broadcast_to(jnp.arange(ROWS)[:, None], (ROWS, WIDTH))
 TOLERANCE = 1e-6
 DIFFERENCES: dict[str, float] = {}  # check -> largest absolute difference, printed by the last test
 MODES = {"token-mean": "token-mean", "seq-mean-token-mean": "session-mean"}
+SEQUENCE_CASES = [("seq_sum_k1", "sum"), ("seq_sum_k1_b", "sum"), ("seq_mean_k1", "mean"), ("seq_mean_k1_b", "mean")]
 
 
 def check(name: str, got, want, tolerance: float = TOLERANCE) -> None:
@@ -119,10 +120,10 @@ def test_packed_chains_give_verls_per_row_numbers(name):
     check(f"packed {name} gradient", unpack(gradient, source), want)
     check(f"packed {name} clipfrac", metrics["clipfrac"], FIXTURE[f"{name}.pg_clipfrac"])
     log_ratio = packed["log_prob"] - packed["rollout_log_prob"]
-    for mode in ("sum", "mean"):
-        low, high = FIXTURE[f"rs.seq_{mode}_k1.band"]
+    for case, mode in SEQUENCE_CASES:
+        low, high = FIXTURE[f"rs.{case}.band"]
         keep = sequence_mask(log_ratio, packed["response_mask"], segments, ROWS, float(low), float(high), mode)
-        check(f"packed seq_{mode}_k1 mask", unpack(keep, source), FIXTURE[f"rs.seq_{mode}_k1"], tolerance=0.0)
+        check(f"packed {case} mask", unpack(keep, source), FIXTURE[f"rs.{case}"], tolerance=0.0)
 
 
 @pytest.mark.parametrize("estimator, reference", [("group", "grpo_group"), ("mean", "grpo_mean"), ("rloo", "rloo")])
@@ -161,11 +162,24 @@ def test_bypass_masks_equal_verl_rejection():
     log_ratio, mask = X["log_prob"] - X["rollout_log_prob"], X["response_mask"]
     low, high = (float(v) for v in FIXTURE["rs.token_k1.band"])
     check("token_k1 mask", token_band_mask(log_ratio, mask, low, high), FIXTURE["rs.token_k1"], tolerance=0.0)
-    for mode in ("sum", "mean"):
-        low, high = (float(v) for v in FIXTURE[f"rs.seq_{mode}_k1.band"])
+    for case, mode in SEQUENCE_CASES:
+        low, high = (float(v) for v in FIXTURE[f"rs.{case}.band"])
         keep = sequence_mask(log_ratio, mask, ROW_SEGMENTS, ROWS, low, high, mode)
-        check(f"seq_{mode}_k1 mask", keep, FIXTURE[f"rs.seq_{mode}_k1"], tolerance=0.0)
+        check(f"{case} mask", keep, FIXTURE[f"rs.{case}"], tolerance=0.0)
         assert 0 < float(keep.sum()) < float(mask.sum())  # the case rejects some chains and keeps others
+        assert META["cases"][f"rs.{case}"]["rollout_rs_threshold"] == f"{META['cases'][f'rs.{case}']['dew_band'][0]}_" \
+            f"{META['cases'][f'rs.{case}']['dew_band'][1]}"  # verl's "lo_hi" is dew's band unchanged
+
+
+def test_sequence_bands_bound_k1_not_the_log_ratio():
+    """The asymmetric bands (lo * hi != 1) keep other chains than a bound on log(pi / mu) would."""
+    log_ratio, mask = X["log_prob"] - X["rollout_log_prob"], X["response_mask"]
+    for case, mode in (("seq_sum_k1_b", "sum"), ("seq_mean_k1_b", "mean")):
+        low, high = (float(v) for v in FIXTURE[f"rs.{case}.band"])
+        assert abs(low * high - 1) > 0.01  # an asymmetric band: the two readings differ
+        # Bounding log(pi / mu) by [log lo, log hi] is bounding k1 by [log 1/hi, log 1/lo].
+        other_reading = sequence_mask(log_ratio, mask, ROW_SEGMENTS, ROWS, 1 / high, 1 / low, mode)
+        assert not np.array_equal(np.asarray(other_reading), FIXTURE[f"rs.{case}"])
 
 
 def test_mismatch_metrics_equal_verl():

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.objectives.rl.losses import (
+from dew.losses import (
     aggregate,
     icepop_weights,
     ppo_surrogate,

@@ -15,7 +15,7 @@ import pytest
 from dew import Trainer, models
 from dew.data import Loading, Partition, PreferencePairs
 from dew.objectives.rl import DPOObjective
-from dew.objectives.rl.losses import dpo_loss, sequence_log_probs
+from dew.losses import dpo_loss, sequence_log_probs
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT.parent / "shared" / "spec" / "post-training.txt"

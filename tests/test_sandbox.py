@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dew.objectives.rl.episodes import (
+from dew.records.episodes import (
     Action,
     Environment,
     EnvironmentFailure,
@@ -235,7 +235,7 @@ def test_the_worker_dies_with_its_parent():
     marker = f"dew-test-{uuid.uuid4().hex}"
     code = f"""
 import sys, time
-from dew.objectives.rl.episodes import EpisodeId
+from dew.records.episodes import EpisodeId
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 factory = SubprocessEnvironment([sys.executable, {WORKER!r}, "--marker", {marker!r}], SandboxLimits(wall_seconds=60))
 with factory(EpisodeId(0, 0, 0, 0)) as env:

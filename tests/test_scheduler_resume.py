@@ -9,12 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+from dew.inference import WeightPublisher
 from test_rollout_sources import EOS, Harness
 
 from dew import Dataset, Trainer
 from dew.inference import NativeRolloutServer, Server, ServingTask
 from dew.objectives.rl import EnvironmentSource, GRPOObjective
-from dew.objectives.rl.scheduler import RolloutScheduler, task_ids
+from dew.collection.scheduler import RolloutScheduler
+from dew.collection.tasks import task_ids
 from dew.objectives.rl.sessions import Call, Session, SessionSource, Status, Task
 from dew.sampling import Sampling
 
@@ -49,12 +52,16 @@ class Replayable(SessionSource):
         pass
 
 
-class Weights:
+class Weights(WeightPublisher):
     def __init__(self):
-        self.version = -1
+        self.served = -1
+
+    @property
+    def version(self):
+        return self.served
 
     def load(self, params, version):
-        self.version = version
+        self.served = version
 
 
 class Crash(Exception):

@@ -31,7 +31,9 @@ def test_greedy_server_equals_text_generation(task):
     generated = TextGeneration(task.model, task.variables)(PROMPTS, 6, jax.random.key(0), Sampling(temperature=0))
     for row, result in enumerate(served):
         assert result.ids == generated.response(row) and result.finish_reason == "length"
-        np.testing.assert_allclose(result.old_log_probs, generated.old_log_probs[row], atol=1e-5)
+        # Two float32 paths (block-windowed decode against one padded prefill): on an AVX-512 host they differ by
+        # up to 1.7e-5 at log-probabilities near -2.3, 7.4e-6 relative, so the bound is relative as well as absolute.
+        np.testing.assert_allclose(result.old_log_probs, generated.old_log_probs[row], rtol=1e-5, atol=1e-5)
 
 
 def test_continuous_batching_gives_each_request_its_tokens_alone(task):

@@ -121,9 +121,15 @@ def test_old_log_probs_routed_experts_and_support_columns():
     "bad, message",
     [
         (Call([1, 2], [3, 4], [-0.1], "stop", 0), "1 behavior_log_probs for 2 sampled ids"),
-        (Call([], [3], [-0.1], "stop", 0), "prompt_ids is empty"),
+        (Call([], [3], [-0.1], "stop", 0), "prompt_ids must hold at least one token id"),
         (Call([1], [3], [float("nan")], "stop", 0), "finite log-probabilities"),
         (Call([1], [3], [0.5], "stop", 0), "finite log-probabilities"),
+        # the one action validator: booleans and negative ids are not token ids, likelihoods must line up
+        (Call([1], [True], [-0.1], "stop", 0), r"sampled_ids\[0\] must be a non-negative integer token id \(not a bool\)"),
+        (Call([1, -3], [3], [-0.1], "stop", 0), r"prompt_ids\[1\] must be a non-negative integer token id"),
+        (Call([1], [3], [-0.1], "stop", 0, old_log_probs=[-0.1, -0.2]), "2 old_log_probs for 1 sampled ids"),
+        (Call([1], [3], [-0.1], "stop", 0, old_log_probs=[float("inf")]), "old_log_probs must be finite"),
+        (Call([1], [3], ["x"], "stop", 0), r"behavior_log_probs\[0\] must be a number"),
     ],
 )
 def test_bad_calls_name_the_session(bad, message):
@@ -159,3 +165,17 @@ def test_session_metrics():
     assert metrics["reward/mean"] == 0.5 and metrics["reward/format"] == 0.5
     assert metrics["latency/max"] == 10.0 and metrics["latency/p50"] == 2.5
     assert metrics["version_lag/mean"] == 2.0 and metrics["version_lag/max"] == 2.0
+
+
+def test_the_action_validator_checks_eos_for_callers_that_know_it():
+    from dew.records.actions import check_action
+
+    assert check_action("turn", [1, 2], [3, 0], [-0.1, -0.2], eos=True, eos_ids=(0,)) == ((1, 2), (3, 0))
+    with pytest.raises(ValueError, match="sampled id 0 is an EOS id \\(0\\) with 1 id\\(s\\) after it"):
+        check_action("turn", [1], [0, 3], [-0.1, -0.2], eos_ids=(0,))
+    with pytest.raises(ValueError, match="says eos=False but the sampled ids end with an EOS id"):
+        check_action("turn", [1], [3, 0], [-0.1, -0.2], eos=False, eos_ids=(0,))
+    with pytest.raises(ValueError, match="says eos=True but the sampled ids do not end"):
+        check_action("turn", [1], [3], [-0.1], eos=True, eos_ids=(0,))
+    with pytest.raises(ValueError, match="the termination flag must be a bool"):
+        check_action("turn", [1], [3], [-0.1], eos=1, eos_ids=(0,))

@@ -14,18 +14,16 @@ from dew.data.chat import Role
 from dew.data.verifiable import (
     CODE_SOURCE,
     MATH_SOURCE,
-    CachedCodeReward,
-    RoutedReward,
     demonstration_dataset,
     demonstration_documents,
     mean_by_family,
     shared_prompts,
     task_rows,
     task_tokenizer,
-    verifiable_reward,
     verifiable_tasks,
 )
-from dew.objectives.rl.scheduler import prompt_tasks
+from dew.collection.tasks import prompt_tasks
+from dew.recipes.rewards import CachedCodeReward, RoutedReward, verifiable_reward
 from dew.sandbox import ProcessRunner, SandboxFleet, SandboxLimits, default_runner
 from tests.conftest import ROOT
 
@@ -205,11 +203,11 @@ def test_routing_refuses_an_unknown_data_source(fleet):
 
 def test_config_checks():
     example = load_example()
-    with pytest.raises(ValueError, match="max_lag must be at least ahead \\+ sync_every - 1 = 1, got 0"):
+    with pytest.raises(ValueError, match="'max_lag' \\(0\\) must be at least ahead \\+ sync_every - 1 = 1"):
         example.RLVRConfig(max_lag=0, ahead=1)
-    with pytest.raises(ValueError, match="runner must be one of"):
+    with pytest.raises(ValueError, match="'runner' must be one of"):
         example.RLVRConfig(runner="docker")
-    with pytest.raises(ValueError, match="samples must be an integer >= 2, got 1"):
+    with pytest.raises(ValueError, match="'samples' must be an integer >= 2, got 1"):
         example.RLVRConfig(samples=1)
     with pytest.raises(SystemExit):
         example.main(["--max-lag", "0", "--ahead", "1"])
@@ -218,7 +216,7 @@ def test_config_checks():
 @pytest.mark.slow
 def test_a_short_run_trains_on_whole_groups(tmp_path):
     example = load_example()
-    runner = "bwrap" if shutil.which("bwrap") else "process"
+    runner = "bwrap"  # the system bwrap, or the bundled one
     config = example.RLVRConfig(
         steps=3, sft_steps=10, sft_batch=8, train_tasks=64, eval_tasks=4, eval_samples=1, tasks_per_step=2,
         samples=4, slots=8, runner=runner, progress=False, output_dir=str(tmp_path / "run"),

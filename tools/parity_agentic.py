@@ -17,8 +17,12 @@ autograd of each aggregated loss with respect to log_prob. Writes
 tests/fixtures/verl_agentic.npz (the versions and each case's configuration in its
 ``meta`` entry, JSON); tests/test_agentic_losses.py compares dew's losses at 1e-6.
 
-Dew's bands bound the ratio pi/mu. verl's k1 statistic is log(mu/pi), so dew's
-(low, high) is verl's threshold "1/high_1/low"; the fixture records both.
+Dew's token band (the behaviour_importance band in bypass mode) bounds the ratio pi/mu, and
+verl's k1 statistic is log(mu/pi), so that (low, high) is verl's threshold "1/high_1/low".
+Dew's sequence_mask and geometric_mask bound k1 itself, as verl does: their (low, high) is
+verl's "low_high" unchanged. Each sequence mode has two asymmetric bands (low * high != 1),
+where reading the band as a bound on log(pi/mu) would keep other chains; the fixture
+records each band with verl's threshold.
 """
 
 import json
@@ -37,8 +41,9 @@ WIDTH = 10
 ROW_SCALES = [2e-4, 1e-3, 0.3, 0.5, 1.0, 0.05]  # spread of log_prob - old_log_prob per row
 ADVANTAGES = [1.3, -0.7, 0.9, 0.4, -1.6, 0.2]
 TOKEN_BAND = (0.5, 1.5)  # keep a token when pi/mu lies in the band
-SEQ_SUM_BAND = (0.9, 1.03)  # keep a sequence when prod(pi/mu) lies in the band
-SEQ_MEAN_BAND = (0.96, 1.0)  # keep a sequence when the geometric mean of pi/mu lies in the band
+# Keep a sequence when its summed (mean) k1 = log(mu/pi) lies in [log low, log high].
+SEQ_SUM_BANDS = {"seq_sum_k1": (0.9, 1.03), "seq_sum_k1_b": (0.98, 1.1)}
+SEQ_MEAN_BANDS = {"seq_mean_k1": (0.96, 1.0), "seq_mean_k1_b": (0.99, 1.03)}
 ESS_CAP = 2.0
 
 
@@ -143,14 +148,15 @@ def bypass_cases(x: dict[str, np.ndarray], out: dict, meta: dict) -> None:
     # current policy with it (compute_policy_loss_bypass_mode).
     log_ratio = torch.tensor(x["log_prob"]) - torch.tensor(x["rollout_log_prob"])
     mask = torch.tensor(x["response_mask"])
-    for name, option, (low, high) in (("token_k1", "token_k1", TOKEN_BAND), ("seq_sum_k1", "seq_sum_k1", SEQ_SUM_BAND),
-                                      ("seq_mean_k1", "seq_mean_k1", SEQ_MEAN_BAND)):
-        threshold = f"{1.0 / high}_{1.0 / low}"
+    cases = [("token_k1", "token_k1", TOKEN_BAND, f"{1.0 / TOKEN_BAND[1]}_{1.0 / TOKEN_BAND[0]}")]
+    cases += [(name, "seq_sum_k1", band, f"{band[0]}_{band[1]}") for name, band in SEQ_SUM_BANDS.items()]
+    cases += [(name, "seq_mean_k1", band, f"{band[0]}_{band[1]}") for name, band in SEQ_MEAN_BANDS.items()]
+    for name, option, (low, high), threshold in cases:
         keep, _ = rollout_corr_helper.compute_rollout_rejection_mask(log_ratio, mask, option, threshold)
         out[f"rs.{name}"], out[f"rs.{name}.band"] = keep.numpy(), np.array([low, high], np.float32)
         meta["cases"][f"rs.{name}"] = {"rollout_rs": option, "rollout_rs_threshold": threshold,
                                        "dew_band": [low, high]}
-        print(f"rejection {name:12s} threshold {threshold:>24s}  kept {int(keep.sum())}/{int(mask.sum())} tokens")
+        print(f"rejection {name:16s} threshold {threshold:>24s}  kept {int(keep.sum())}/{int(mask.sum())} tokens")
     old, rollout = torch.tensor(x["old_log_prob"]), torch.tensor(x["rollout_log_prob"])
     metrics = rollout_corr_helper.compute_offpolicy_metrics(old, rollout, mask)
     out["mismatch.kl"], out["mismatch.k3_kl"] = np.float32(metrics["kl"]), np.float32(metrics["k3_kl"])

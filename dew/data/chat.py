@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from dew.data.dataset import Dataset, Partition
-from dew.data.loading import Loading, PartitionedLoader, Record, RecordError, RecordStream, local_rows
+from dew.data.dataset import Dataset, Partition, local_partition
+from dew.data.loading import Loading, PartitionedLoader, Record, RecordError, RecordStream, local_rows, read_file
 from dew.data.packing import pack_documents
 
 
@@ -219,8 +219,6 @@ class ChatMessages(PartitionedLoader):
 
     def load(self, batch: int) -> Dataset:
         """Packed ``text``, ``text_roles``, ``text_segment_ids``, ``text_positions`` batches, each [B, L + 1]."""
-        from dew.sharding import local_partition
-
         here = local_partition()
         row_count = len(self.columns(here)["text"])
         val_rows = None
@@ -254,8 +252,6 @@ class ChatMessages(PartitionedLoader):
 
 def read_conversations(path, split: str, options: HFOptions) -> list[Record]:
     """Rows of a conversation source as Records (see ChatMessages for what ``path`` may be)."""
-    from dew.data.loading import read_file
-
     by_name = isinstance(path, (str, Path))  # a file, a saved directory or a dataset id
     if by_name and Path(path).suffix in (".parquet", ".jsonl", ".json"):
         return read_file(Path(path), "ChatMessages")

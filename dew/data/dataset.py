@@ -19,6 +19,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
 
 Batch = dict[str, np.ndarray]
@@ -34,6 +35,11 @@ class Partition:
     def __post_init__(self):
         if self.count < 1 or not 0 <= self.index < self.count:
             raise ValueError(f"partition index must lie in [0, count), got index={self.index}, count={self.count}")
+
+
+def local_partition() -> Partition:
+    """This process's partition of the data: its process index among all JAX processes."""
+    return Partition(index=jax.process_index(), count=jax.process_count())
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from dew.data.dataset import Partition
+from dew.data.dataset import Dataset, Partition, local_partition
 
 
 class RecordError(ValueError):
@@ -245,9 +245,6 @@ class PartitionedLoader:
         Encodes this process's records now, so a bad record raises here rather than
         during training.
         """
-        from dew.data.dataset import Dataset
-        from dew.sharding import local_partition
-
         here = local_partition()
         local_rows(batch, here, self.owner)
         batches_per_epoch(len(self.records), batch, here, self.owner)

@@ -32,8 +32,8 @@ measure the task distribution, not generalisation to unseen problems.
 A :class:`VerifiableTask` gives its verl-style row (``data_source``, ``prompt``,
 ``reward_model.ground_truth``, ``extra_info``; :class:`~dew.data.Prompts` reads it with
 :func:`task_tokenizer`) and its demonstration (prompt and the reference completion)
-for supervised warm starts (:func:`demonstration_dataset`). :func:`verifiable_reward`
-routes a completion to the family's reward by ``data_source``.
+for supervised warm starts (:func:`demonstration_dataset`). The rewards that check them,
+routed by ``data_source``, are the recipe's: :func:`dew.recipes.rewards.verifiable_reward`.
 
 The tokenizer is character-level over printable ASCII and newline (98 ids): the task
 alphabet is small and fixed, so nothing needs training. It is not meant for other text.
@@ -41,13 +41,11 @@ alphabet is small and fixed, so nothing needs training. It is not meant for othe
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
 import random
 import string
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -267,95 +265,6 @@ def demonstration_dataset(tokenizer, tasks: Sequence[VerifiableTask], seq_len: i
         return RecordStream(mine, local, per_epoch, loading)
 
     return Dataset(train=train, val=None, records=len(rows["text"]), batch=batch)
-
-
-# ----- rewards ----------------------------------------------------------------------------------
-
-
-class RoutedReward:
-    """A reward that hands each completion to the reward registered for its ``data_source``.
-
-    ``routes`` maps data sources to rewards with the signature
-    ``(data_source, completion, ground_truth, extra_info) -> float``. An unknown data
-    source raises ValueError naming the known ones (a dataset bug, not a model failure).
-    """
-
-    def __init__(self, routes: Mapping[str, Callable[[str, str, str, str], float]]):
-        if not isinstance(routes, Mapping) or not routes:
-            raise ValueError(f"routes must be a non-empty mapping of data_source -> reward, got {routes!r}")
-        for source, reward in routes.items():
-            if not isinstance(source, str) or not callable(reward):
-                raise TypeError(f"routes must map data_source strings to callables, got {source!r}: {reward!r}")
-        self.routes = dict(routes)
-
-    def __call__(self, data_source: str, completion: str, ground_truth: str, extra_info: str) -> float:
-        reward = self.routes.get(data_source)
-        if reward is None:
-            raise ValueError(f"no reward for data_source {data_source!r}; known: {sorted(self.routes)}")
-        return reward(data_source, completion, ground_truth, extra_info)
-
-    def __repr__(self) -> str:
-        return f"RoutedReward({self.routes!r})"
-
-
-class CachedCodeReward:
-    """A CodeReward that runs each distinct program once per ground truth and reuses its score.
-
-    Samples of one group often write the same program (a small policy becomes sharp
-    quickly), and running it again would only repeat the same test cases. The key is
-    the completion's last python block and the ground truth, so completions that
-    differ outside the block share a score. This assumes the programs are
-    deterministic, as the built-in tasks' are; a program that timed out once keeps its
-    score. ``size`` bounds the entries kept (the oldest go first).
-    """
-
-    def __init__(self, reward, size: int = 4096):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"size must be a positive integer, got {size!r}")
-        if not callable(reward):
-            raise TypeError(f"reward must be callable, got {reward!r}")
-        self.reward, self.size = reward, size
-        self._scores: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def __call__(self, data_source: str, completion: str, ground_truth: str, extra_info: str) -> float:
-        from dew.sandbox.rewards import last_python_block
-
-        block = last_python_block(completion) if isinstance(completion, str) else None
-        if block is None:  # nothing would run: no need to remember it
-            return self.reward(data_source, completion, ground_truth, extra_info)
-        key = (block, ground_truth)
-        with self._lock:
-            if key in self._scores:
-                self._scores.move_to_end(key)
-                self.hits += 1
-                return self._scores[key]
-            self.misses += 1
-        score = self.reward(data_source, completion, ground_truth, extra_info)  # outside the lock: it waits on programs
-        with self._lock:
-            self._scores[key] = score
-            while len(self._scores) > self.size:
-                self._scores.popitem(last=False)
-        return score
-
-    def __repr__(self) -> str:
-        return f"CachedCodeReward({self.reward!r}, size={self.size})"
-
-
-def verifiable_reward(fleet, all_or_nothing: bool = False, cache: bool = True) -> RoutedReward:
-    """The built-in families' reward: MathReward for ``MATH_SOURCE``, CodeReward on ``fleet`` for ``CODE_SOURCE``.
-
-    Code completions run under :data:`CODE_HARNESS`; with ``cache`` each distinct
-    program runs once per task (:class:`CachedCodeReward`). ``fleet`` is a
-    :class:`~dew.sandbox.SandboxFleet` (or anything with ``map``); ``all_or_nothing``
-    makes a code task score 1.0 only when every case passes (otherwise it scores the
-    share of cases passed); the built-in code tasks have one case, so they score 0 or 1 either way.
-    """
-    from dew.sandbox.rewards import CodeReward, MathReward
-
-    code = CodeReward(fleet, all_or_nothing=all_or_nothing, argv=CODE_HARNESS)
-    return RoutedReward({MATH_SOURCE: MathReward(), CODE_SOURCE: CachedCodeReward(code) if cache else code})
 
 
 def mean_by_family(tasks: Sequence[VerifiableTask], rewards: Sequence[float]) -> dict[str, float]:

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+from dew.inference.publisher import WeightPublisher
 from dew.inference.server import Server
 
 
@@ -47,21 +48,14 @@ class DrawFuture(Future):
     request: int = -1
 
 
-class RolloutServer(abc.ABC):
-    """Where rollouts get their tokens (see the module docstring)."""
+class RolloutServer(WeightPublisher):
+    """Where rollouts get their tokens (see the module docstring); it publishes its own weights."""
 
     @abc.abstractmethod
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture: ...
 
     @abc.abstractmethod
     def cancel(self, draw: DrawFuture) -> None: ...
-
-    @abc.abstractmethod
-    def load(self, variables, version: int) -> None: ...
-
-    @property
-    @abc.abstractmethod
-    def version(self) -> int: ...
 
     def close(self) -> None:
         """Release the server's resources; the default holds none."""

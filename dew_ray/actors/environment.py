@@ -27,7 +27,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from dew.objectives.rl import EnvironmentSource
-from dew.objectives.rl.sessions import Session, SessionSource, Status, Task
+from dew.records.sessions import Session, SessionSource, Status, Task
 from dew_ray.actors._pool import LeastBusy
 from dew_ray.actors.rollout import RemoteRolloutServer, ServerPool
 

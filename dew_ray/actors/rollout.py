@@ -21,7 +21,7 @@ import asyncio
 import threading
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
 from ray.exceptions import RayActorError
@@ -92,18 +92,26 @@ RolloutServerActor = ray.remote(RolloutServerHost)
 
 
 class RemoteRolloutServer(RolloutServer):
-    """The RolloutServer interface over one ``RolloutServerActor`` (see the module docstring)."""
+    """The RolloutServer interface over one ``RolloutServerActor`` (see the module docstring).
 
-    def __init__(self, actor, name: str = "rollout server", version: int | None = None):
+    The served version is its publisher's: a :class:`~dew_ray.weights.WeightBroadcast`
+    over this actor alone, or, for a member of a :class:`ServerPool`, the pool's one
+    broadcast over every member (``publisher``), so a member's version is the pool's.
+    """
+
+    def __init__(self, actor, name: str = "rollout server", version: int | None = None,
+                 publisher: WeightBroadcast | None = None):
         self.actor, self.name = actor, name
-        self._broadcast = WeightBroadcast([actor], [name], version=0)
-        self._version = ray.get(actor.version.remote()) if version is None else version
+        if publisher is None:
+            served = ray.get(actor.version.remote()) if version is None else version
+            publisher = WeightBroadcast([actor], [name], version=served)
+        self.publisher = publisher
         self._lock = threading.Lock()
         self.in_flight = 0
 
     @property
     def version(self) -> int:
-        return self._version
+        return self.publisher.version
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
         future = DrawFuture()
@@ -129,23 +137,25 @@ class RemoteRolloutServer(RolloutServer):
         self.actor.cancel.remote(draw.request)
 
     def load(self, variables, version: int) -> None:
-        self._broadcast.load(variables, version)
-        self._version = self._broadcast.version
+        self.publisher.load(variables, version)
 
-    def loaded(self, version: int) -> None:
-        """Record that weights of ``version`` reached the actor by another path (a pool's one broadcast)."""
-        self._version = version
-
-    def alive(self) -> bool:
+    def alive(self, timeout: float = 30.0) -> bool:
+        """Whether the actor answers; a blocking Ray call, so never call it holding a lock others need."""
         try:
-            ray.get(self.actor.version.remote(), timeout=30)
+            ray.get(self.actor.version.remote(), timeout=timeout)
         except RayActorError:
             return False
         return True
 
 
 class ServerPool(RolloutServer):
-    """Draws spread over several RemoteRolloutServers; weights loaded into all with one put."""
+    """Draws spread over several RemoteRolloutServers; weights loaded into all with one put.
+
+    The pool's one :class:`~dew_ray.weights.WeightBroadcast` holds the served version for
+    the pool and its members. When a draw fails, whether its server died is asked on a
+    thread of the pool's own, outside the lock ``submit`` takes: a server that stops
+    answering delays only the check of its own liveness, never the other servers' draws.
+    """
 
     def __init__(self, servers: Sequence[RemoteRolloutServer]):
         self.servers = list(servers)
@@ -154,24 +164,28 @@ class ServerPool(RolloutServer):
         names = [server.name for server in self.servers]
         if len(set(names)) != len(names):
             raise ValueError(f"the pool's servers need distinct names (a dead one is found by name), got {names}")
+        self.publisher = WeightBroadcast([s.actor for s in self.servers], names,
+                                         version=min(server.version for server in self.servers), drop_dead=True)
+        for server in self.servers:
+            server.publisher = self.publisher
         self._dead: set[int] = set()
         self._owner: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._version = min(server.version for server in self.servers)
+        self._checks = ThreadPoolExecutor(1, thread_name_prefix="dew-pool-liveness")
 
     @property
     def version(self) -> int:
-        return self._version
+        return self.publisher.version
 
     def live(self) -> list[int]:
-        return [i for i in range(len(self.servers)) if i not in self._dead]
+        with self._lock:
+            return [i for i in range(len(self.servers)) if i not in self._dead]
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
-        with self._lock:
-            live = self.live()
-            if not live:
-                raise RuntimeError(f"every rollout server of the pool has died ({len(self.servers)} started)")
-            index = min(live, key=lambda i: self.servers[i].in_flight)
+        live = self.live()
+        if not live:
+            raise RuntimeError(f"every rollout server of the pool has died ({len(self.servers)} started)")
+        index = min(live, key=lambda i: self.servers[i].in_flight)
         future = self.servers[index].submit(prompt_ids, max_new_tokens, seed)
         with self._lock:
             self._owner[future.request] = index
@@ -181,7 +195,12 @@ class ServerPool(RolloutServer):
     def _settled(self, index: int, done: DrawFuture) -> None:
         with self._lock:
             self._owner.pop(done.request, None)
-            if done.exception() is not None and not self.servers[index].alive():
+        if done.exception() is not None:
+            self._checks.submit(self._check, index)
+
+    def _check(self, index: int) -> None:
+        if not self.servers[index].alive():
+            with self._lock:
                 self._dead.add(index)
 
     def cancel(self, draw: DrawFuture) -> None:
@@ -192,17 +211,15 @@ class ServerPool(RolloutServer):
 
     def load(self, variables, version: int) -> None:
         """Load every live server (one object-store put); servers found dead leave the pool."""
-        live = self.live()
-        broadcast = WeightBroadcast([self.servers[i].actor for i in live], [self.servers[i].name for i in live],
-                                    version=self._version, drop_dead=True)
         try:
-            broadcast.load(variables, version)
+            self.publisher.load(variables, version)
         finally:
+            dropped = set(self.publisher.dropped)
             with self._lock:
-                self._dead.update(i for i in live if self.servers[i].name in broadcast.dropped)
-        for i in self.live():
-            self.servers[i].loaded(broadcast.version)
-        self._version = broadcast.version
+                self._dead.update(i for i, server in enumerate(self.servers) if server.name in dropped)
+
+    def close(self) -> None:
+        self._checks.shutdown(wait=False, cancel_futures=True)
 
 
 def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: int, lanes: int = 1,

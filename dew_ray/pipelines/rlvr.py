@@ -26,6 +26,15 @@ rows from ``prompts`` (a Parquet or JSONL file with ``data_source``, ``prompt``,
 tokenizer for the built-in decoder: rows of the code data source run in the sandbox,
 every other row is scored by MathReward against its ground truth.
 
+The run directory is resolved once, before any actor starts: a relative one against the
+driver's working directory (on a local cluster, or one it attached to), and a submitted job
+(``ray job submit``, whose driver runs in a packaged copy of the working directory that
+dies with the session) must give an absolute path every node reaches. Actors only ever see
+the absolute path; ``runs/`` is left out of the packaged working directory (``.rayignore``,
+and the excludes of a cluster the driver starts). Before the warm start the driver checks
+what can fail early: the run directory is writable, the sandbox starts a program (and which
+bubblewrap runs it), the cluster has the CPUs the roles reserve, and the configuration.
+
 The run directory holds ``config.json``, ``warm_start.msgpack`` (the warm-started
 weights), ``grpo/`` (the trainers' checkpoints, every ``checkpoint_every`` updates),
 ``metrics.jsonl`` (one line per update: trainer and scheduler metrics, the tasks
@@ -45,311 +54,93 @@ The driver API: ``pipeline = RLVRPipeline(config)``, ``pipeline.start()``,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import math
 import os
 import sys
 import time
-import tomllib
-import types
-import typing
 from pathlib import Path
-from typing import Any
 
-CODE_SOURCE = "dew/expression_code"
+import jax
+import jax.numpy as jnp
+import ray
+from flax import serialization
+from ray._private import ray_constants
+from tqdm import tqdm
 
+from dew.data.verifiable import task_tokenizer
+from dew.inference import ServingTask
+from dew.models.pretrained import Pretrained
+from dew.recipes.rlvr import SANDBOX_LIMITS, built_in_tasks, decoder, measure_reward, sandbox_runner
+from dew.sampling import Sampling
+from dew.sandbox import BwrapRunner, Program, SandboxLimits, Verdict
+from dew_ray.actors import RemoteFleet, start_rollout_servers, start_sandbox_runners, start_trainer_group, step_group
+from dew_ray.metrics import PipelineMetrics
+from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
+from dew_ray.pipelines.rlvr_job import Setup, pipeline_reward, prompt_rows, trainer_job, warm_start_task
+from dew_ray.pipelines.rlvr_report import plot, print_summary
+from dew_ray.placement import RolePlacement
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RLVRPipelineConfig:
-    """Options of one pipeline run; checked when built (see ``--help`` of the module for each).
-
-    run_dir: the run directory; steps: GRPO updates; seed: tasks, initialisation and
-    sampling seeds; trainers, servers, sandbox_runners: actors of each role;
-    trainer_cpus, server_cpus, sandbox_cpus: Ray CPUs reserved per actor; slots: each
-    server's concurrent draws; sandbox_workers: programs each runner runs at once;
-    runner: "bwrap" or "process" (trusted code only); tasks_per_step: prompts per
-    update; samples: completions per prompt; max_new_tokens: the response budget;
-    max_lag, ahead, sync_every: the scheduler's schedule; learning_rate, clip: GRPO's
-    Adam step and gradient-norm clip; sft_steps, sft_batch, sft_learning_rate: the warm start; train_tasks,
-    eval_tasks, eval_samples: built-in task counts and the held-out measurement;
-    prompts: a verl-style Parquet/JSONL file instead of the built-in tasks;
-    checkpoint_every: updates between checkpoints; progress: the driver's progress bar.
-    """
-
-    run_dir: str = "runs/rlvr"
-    steps: int = 120
-    seed: int = 0
-    trainers: int = 1
-    servers: int = 1
-    sandbox_runners: int = 1
-    trainer_cpus: float = 1.0
-    server_cpus: float = 1.0
-    sandbox_cpus: float = 0.25
-    slots: int = 64
-    sandbox_workers: int = 2
-    runner: str = "bwrap"
-    tasks_per_step: int = 8
-    samples: int = 8
-    max_new_tokens: int = 32
-    max_lag: int = 1
-    ahead: int = 1
-    sync_every: int = 1
-    learning_rate: float = 3e-4
-    clip: float = 1.0
-    sft_steps: int = 300
-    sft_batch: int = 32
-    sft_learning_rate: float = 1e-2
-    train_tasks: int = 2000
-    eval_tasks: int = 64
-    eval_samples: int = 4
-    prompts: str | None = None
-    checkpoint_every: int = 5
-    progress: bool = True
-
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            kinds = _kinds(field.type)
-            if value is None and type(None) in kinds:
-                continue
-            if isinstance(value, bool) and bool not in kinds:
-                raise ValueError(f"config field {field.name!r} must be {_describe(kinds)}, got {value!r}")
-            if not isinstance(value, tuple(kinds)) and not (float in kinds and isinstance(value, int)):
-                raise ValueError(f"config field {field.name!r} must be {_describe(kinds)}, got {value!r}")
-        positive = ("steps", "trainers", "servers", "sandbox_runners", "slots", "sandbox_workers", "tasks_per_step",
-                    "max_new_tokens", "sync_every", "sft_batch", "train_tasks", "eval_tasks", "eval_samples",
-                    "checkpoint_every")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"config field {name!r} must be at least 1, got {getattr(self, name)!r}")
-        for name in ("trainer_cpus", "server_cpus", "sandbox_cpus", "learning_rate", "clip", "sft_learning_rate"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"config field {name!r} must be positive, got {getattr(self, name)!r}")
-        for name in ("max_lag", "ahead", "sft_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"config field {name!r} must be >= 0, got {getattr(self, name)!r}")
-        if self.samples < 2:
-            raise ValueError(f"config field 'samples' must be at least 2 (a group needs a baseline), got {self.samples}")
-        if self.max_lag < self.ahead + self.sync_every - 1:
-            raise ValueError(f"config field 'max_lag' ({self.max_lag}) must be at least ahead + sync_every - 1 "
-                             f"= {self.ahead + self.sync_every - 1}: a first submission is that many updates stale")
-        if self.tasks_per_step % self.trainers:
-            raise ValueError(f"config field 'tasks_per_step' ({self.tasks_per_step}) must divide evenly over "
-                             f"trainers={self.trainers}: each trainer process trains on its own share of the tasks")
-        if self.runner not in ("bwrap", "process"):
-            raise ValueError(f"config field 'runner' must be 'bwrap' or 'process', got {self.runner!r}")
-        if self.prompts is not None and not Path(self.prompts).is_file():
-            raise ValueError(f"config field 'prompts' names {self.prompts!r}, which is not a file")
+__all__ = ["PreflightError", "RLVRPipeline", "RLVRPipelineConfig", "load_config", "main", "resolve_run_dir", "run"]
 
 
-def _kinds(annotation) -> tuple[type, ...]:
-    annotation = eval(annotation, {}) if isinstance(annotation, str) else annotation  # noqa: S307 - own annotations
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return tuple(typing.get_args(annotation))
-    return (annotation,)
+class PreflightError(RuntimeError):
+    """A check made before any work starts failed; the message names the fix."""
 
 
-def _describe(kinds) -> str:
-    return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+def submitted_job() -> bool:
+    """Whether this driver runs as a submitted Ray job (``ray job submit``): the job supervisor sets its config."""
+    return ray_constants.RAY_JOB_CONFIG_JSON_ENV_VAR in os.environ
 
 
-def _parse(field: dataclasses.Field, text: str):
-    kinds = _kinds(field.type)
-    if text.lower() in ("none", "null") and type(None) in kinds:
-        return None
-    for kind in kinds:
-        if kind is bool:
-            if text.lower() in ("true", "1", "yes"):
-                return True
-            if text.lower() in ("false", "0", "no"):
-                return False
-        elif kind in (int, float):
-            try:
-                return kind(text)
-            except ValueError:
-                continue
-        elif kind is str:
-            return text
-    raise ValueError(f"cannot read {text!r} as config field {field.name!r} ({_describe(kinds)})")
+def resolve_run_dir(run_dir: str) -> Path:
+    """The run directory as the absolute path every actor is given (see the module docstring)."""
+    if "://" in run_dir:
+        raise PreflightError(f"config field 'run_dir' is a URI ({run_dir!r}); the pipeline writes its run directory with "
+                         "local file I/O: give an absolute path on a filesystem every node reaches")
+    path = Path(run_dir).expanduser()
+    if not path.is_absolute() and submitted_job():
+        raise PreflightError(
+            f"config field 'run_dir' is relative ({run_dir!r}) and this driver runs as a submitted Ray job, inside a "
+            f"packaged copy of the working directory ({os.getcwd()}) that is deleted with the Ray session: pass an "
+            f"absolute path every node reaches, for example --set run_dir=$PWD/{run_dir} on a one-machine cluster "
+            "or a path on a shared filesystem")
+    return path.resolve()
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), **values) -> RLVRPipelineConfig:
-    """A config from a TOML file (flat keys, or under an ``[rlvr]`` table), then ``key=value`` overrides, then ``values``."""
-    fields = {field.name: field for field in dataclasses.fields(RLVRPipelineConfig)}
-    merged: dict[str, Any] = {}
-    if path is not None:
-        with open(path, "rb") as file:
-            data = tomllib.load(file)
-        data = data.get("rlvr", data)
-        for name, value in data.items():
-            if name not in fields:
-                raise ValueError(f"{path}: unknown config field {name!r}; known: {sorted(fields)}")
-            merged[name] = value
-    for item in overrides:
-        name, sep, text = item.partition("=")
-        if not sep:
-            raise ValueError(f"an override must read key=value, got {item!r}")
-        if name not in fields:
-            raise ValueError(f"unknown config field {name!r} in override {item!r}; known: {sorted(fields)}")
-        merged[name] = _parse(fields[name], text)
-    for name in values:
-        if name not in fields:
-            raise ValueError(f"unknown config field {name!r}; known: {sorted(fields)}")
-    merged.update(values)
-    return RLVRPipelineConfig(**merged)
+def _writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".dew-write-probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise PreflightError(f"the run directory {run_dir} is not writable ({error}); set run_dir to a directory you "
+                         "can write") from None
 
 
-# ----- what runs inside the actors ---------------------------------------------------------
+def check_sandbox(runner: str) -> str:
+    """Start one program in the configured sandbox now; returns which one runs them (for the first lines)."""
+    try:
+        made = sandbox_runner(runner)
+    except RuntimeError as error:
+        raise PreflightError(f"the sandbox for code tasks cannot start here: {error}") from None
+    outcome = made.run(Program(argv=["python3", "-c", "print(1)"]), SandboxLimits(wall_seconds=30))
+    if outcome.verdict is not Verdict.COMPLETED:
+        raise PreflightError(f"the {runner} sandbox could not run a program ({outcome.verdict.value}, exit "
+                           f"{outcome.exit_code}): {outcome.stderr.strip()[-500:]}")
+    return made.describe() if isinstance(made, BwrapRunner) else "ProcessRunner (no isolation: trusted code only)"
 
 
-@dataclasses.dataclass
-class _Setup:
-    """What the driver works out once and every trainer process rebuilds its job from."""
-
-    config: RLVRPipelineConfig
-    width: int
-    prompt_len: int
-    rows: list[dict]
-
-
-def _tasks(config: RLVRPipelineConfig):
-    from dew.data.verifiable import verifiable_tasks
-
-    train = verifiable_tasks(config.train_tasks, seed=config.seed)
-    held_out = verifiable_tasks(config.eval_tasks, seed=1_000_000 + config.seed)
-    return train, held_out
-
-
-def _prompt_rows(config: RLVRPipelineConfig, train) -> list[dict]:
-    if config.prompts is None:
-        from dew.data.verifiable import task_rows
-
-        return task_rows(train)
-    path = Path(config.prompts)
-    if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    else:
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).to_pylist()
-    for index, row in enumerate(rows):
-        for name in ("data_source", "prompt"):
-            if name not in row:
-                raise ValueError(f"{path}: row {index} has no {name!r} field")
-        if "ground_truth" not in (row.get("reward_model") or {}):
-            raise ValueError(f"{path}: row {index} has no reward_model.ground_truth")
-    return rows
-
-
-def _reward(fleet):
-    from dew.data.verifiable import MATH_SOURCE, RoutedReward, verifiable_reward
-
-    built_in = verifiable_reward(fleet)
-
-    class AnySource(RoutedReward):
-        """The built-in routes; any other data source is scored as math against its ground truth."""
-
-        def __call__(self, data_source, completion, ground_truth, extra_info):
-            route = data_source if data_source in self.routes else MATH_SOURCE
-            return self.routes[route](data_source, completion, ground_truth, extra_info)
-
-    return AnySource(built_in.routes)
-
-
-class _CountingFleet:
-    """A fleet that tallies the verdicts of the programs it ran (for the dashboard)."""
-
-    def __init__(self, fleet):
-        self.fleet = fleet
-        self.verdicts: dict[str, int] = {}
-
-    def map(self, programs):
-        outcomes = self.fleet.map(programs)
-        for outcome in outcomes:
-            self.verdicts[outcome.verdict.name] = self.verdicts.get(outcome.verdict.name, 0) + 1
-        return outcomes
-
-    def drain(self) -> dict[str, int]:
-        counts, self.verdicts = self.verdicts, {}
-        return counts
-
-
-def _rlvr_job(setup: _Setup, params, servers: list, runners: list):
-    """The GRPO job of one trainer process (runs inside a TrainerActor)."""
-    import jax
-    import optax
-
-    from dew import Trainer
-    from dew.data import Loading, Prompts
-    from dew.data.verifiable import task_tokenizer
-    from dew.objectives.rl import GRPOObjective, PromptSource
-    from dew.objectives.rl.scheduler import RolloutScheduler, prompt_tasks
-    from dew.recipes.rlvr import decoder
-    from dew_ray.actors import RemoteFleet, RemoteRolloutServer, ServerPool, TrainJob
-
-    config = setup.config
-    tokenizer = task_tokenizer()
-    model = decoder(len(tokenizer), max_seq_len=setup.width)
-    pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers])
-    fleet = _CountingFleet(RemoteFleet(runners, workers=config.sandbox_workers))
-    source = PromptSource(pool, _reward(fleet), decode=tokenizer.decode, max_new_tokens=config.max_new_tokens,
-                          eos_ids=(tokenizer.eos_token_id,), workers=max(2, config.sandbox_workers * len(runners)))
-    objective = GRPOObjective(model, seq_len=setup.width - 1, pretrained=params, behavior_importance=2.0)
-    records: list = []
-    scheduler = RolloutScheduler(
-        objective, source, pool, width=setup.width, rows=config.tasks_per_step // config.trainers * config.samples,
-        tasks=prompt_tasks,
-        groups=config.samples, max_lag=config.max_lag, ahead=config.ahead, sync_every=config.sync_every,
-        truncation="score", log=records.append,
-    )
-    trained: list = []
-
-    def rollout(batch, variables, version, key):
-        trained.append([task.id for task in prompt_tasks(batch)])
-        return scheduler(batch, variables, version, key)
-
-    prompts = Prompts(records=setup.rows, tokenizer=tokenizer, max_prompt_len=setup.prompt_len,
-                      loading=Loading(seed=config.seed)).load(batch=config.tasks_per_step)
-    optimizer = optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(config.learning_rate))
-    trainer = Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
-                      rollout=rollout, progress=False, output_dir=str(Path(config.run_dir) / "grpo"))
-
-    def report() -> dict:
-        out = {"verdicts": fleet.drain(), "tasks": trained[-1] if trained else []}
-        if records:
-            record = records[-1]
-            out["scheduler"] = {
-                "version": record.version, "oldest_version": record.oldest_version, "lag": record.lag,
-                "admitted_groups": record.admitted_groups, "resubmissions": record.resubmissions,
-                "cancellations": record.cancellations, "abandoned_groups": record.abandoned_groups,
-                "cut_groups": record.cut_groups, "waited": record.waited, "pushed": record.pushed,
-                **{f"rollout/{k}": v for k, v in record.metrics.items()},
-            }
-        records.clear()
-        return out
-
-    def close():
-        scheduler.close()
-        source.close()
-
-    return TrainJob(trainer, scheduler.tasks(prompts), close=close, report=report)
-
-
-def _warm_start(config: RLVRPipelineConfig, width: int, train):
-    import jax
-
-    from dew.data.verifiable import task_tokenizer
-    from dew.recipes.rlvr import decoder, warm_start
-
-    tokenizer = task_tokenizer()
-    model = decoder(len(tokenizer), max_seq_len=width)
-    return warm_start(model, tokenizer, train, width, config.sft_steps, config.sft_batch, config.sft_learning_rate,
-                      key=jax.random.fold_in(jax.random.key(config.seed), 1), seed=config.seed, progress=False)
-
-
-# ----- the driver ----------------------------------------------------------------------------
+def _excludes(run_dir: Path) -> list[str]:
+    """What a cluster this driver starts leaves out of the working directory it packages for the actors."""
+    excludes = ["/runs/"]
+    try:
+        inside = run_dir.relative_to(Path.cwd())
+    except ValueError:
+        return excludes
+    return excludes + [f"/{inside.as_posix()}/"]
 
 
 class RLVRPipeline:
@@ -359,7 +150,7 @@ class RLVRPipeline:
         if not isinstance(config, RLVRPipelineConfig):
             raise TypeError(f"RLVRPipeline needs an RLVRPipelineConfig, got {type(config).__name__}")
         self.config, self.address = config, address
-        self.run_dir = Path(config.run_dir)
+        self.run_dir = resolve_run_dir(config.run_dir)  # before anything starts, and once
         self.rows: list[dict] = []
         self.summary: dict | None = None
         self._started_ray = False
@@ -375,44 +166,38 @@ class RLVRPipeline:
 
     def start(self) -> dict:
         """Start Ray (unless attached), warm-start or read back the warm start, start every actor."""
-        import ray
-
-        from dew.data.verifiable import task_tokenizer
-        from dew.inference import ServingTask
-        from dew.recipes.rlvr import SANDBOX_LIMITS, decoder, sandbox_runner
-        from dew.sampling import Sampling
-        from dew_ray.actors import RemoteFleet, start_rollout_servers, start_sandbox_runners, start_trainer_group
-        from dew_ray.metrics import PipelineMetrics
-        from dew_ray.placement import RolePlacement
-
         config = self.config
         self.started_at = time.perf_counter()
-        demand = self.cpu_demand()
+        # What can fail before any work starts fails now, within seconds, naming the fix.
+        _writable(self.run_dir)
+        self.sandbox = check_sandbox(config.runner)
+        demand = config.cpu_demand()
         if not ray.is_initialized():
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster of this run only
             address = self.address or os.environ.get("RAY_ADDRESS")
             # A local cluster gets as many logical CPUs as the run reserves (at least the machine's cores):
             # they are scheduling tokens, and the roles share the cores as any processes do.
             cpus = None if address else max(os.cpu_count() or 1, math.ceil(sum(demand.values())))
+            runtime_env = None if address else {"excludes": _excludes(self.run_dir)}
             ray.init(address=address, num_cpus=cpus, include_dashboard=False if address is None else None,
-                     log_to_driver=False, configure_logging=False)
+                     log_to_driver=False, configure_logging=False, runtime_env=runtime_env)
             self._started_ray = True
         available = ray.cluster_resources().get("CPU", 0)
         if sum(demand.values()) > available:
             parts = ", ".join(f"{role} {cpus:g}" for role, cpus in demand.items())
-            raise ValueError(f"the run reserves {sum(demand.values()):g} CPUs ({parts}) but the Ray cluster has "
-                             f"{available:g}: lower trainer_cpus, server_cpus or sandbox_cpus, or use fewer actors")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+            raise PreflightError(f"the run reserves {sum(demand.values()):g} CPUs ({parts}) but the Ray cluster has "
+                                 f"{available:g}: lower trainer_cpus, server_cpus or sandbox_cpus, or use fewer actors")
+        (self.run_dir / "config.json").write_text(json.dumps({**config.model_dump(), "run_dir": str(self.run_dir)},
+                                                             indent=2))
         self.tokenizer = tokenizer = task_tokenizer()
-        train, self.held_out = _tasks(config)
-        rows = _prompt_rows(config, train)
+        train, self.held_out = built_in_tasks(config)
+        rows = prompt_rows(config, train)
         prompt_len = max(len(tokenizer.encode(str(r["prompt"]), add_special_tokens=False)) for r in rows)
         prompt_len = max(prompt_len, *(len(tokenizer.encode(t.prompt, add_special_tokens=False)) for t in self.held_out))
         width = prompt_len + config.max_new_tokens
         answer = max(len(tokenizer.encode(t.answer, add_special_tokens=False)) + 1 for t in train)
         if config.max_new_tokens < answer:
-            raise ValueError(f"config field 'max_new_tokens' ({config.max_new_tokens}) is shorter than the longest "
+            raise PreflightError(f"config field 'max_new_tokens' ({config.max_new_tokens}) is shorter than the longest "
                              f"reference answer of the tasks ({answer} ids with EOS): the warm start could not "
                              "show it and no completion could reach it")
         self.model = decoder(len(tokenizer), max_seq_len=width)
@@ -441,9 +226,9 @@ class RLVRPipeline:
             self.reward_before = self._measure()
             before_file.write_text(json.dumps(self.reward_before))
 
-        setup = _Setup(config, width, prompt_len, rows)
+        setup = Setup(config, str(self.run_dir), width, prompt_len, rows)
         servers = [(server.name, server.actor) for server in self.pool.servers]
-        build = functools.partial(_rlvr_job, setup, self.params, servers, runners)
+        build = functools.partial(trainer_job, setup, self.params, servers, runners)
         self.trainers, started = start_trainer_group(build, processes=config.trainers,
                                                      placement=lambda i: placement.options("trainer", i))
         self._actors += self.trainers
@@ -453,23 +238,12 @@ class RLVRPipeline:
         return {"restored": started[0]["restored"], "step": self.step_count, "width": width,
                 "reward_before": self.reward_before, "parameters": sum(int(x.size) for x in _leaves(self.params))}
 
-    def cpu_demand(self) -> dict[str, float]:
-        """Ray CPUs each role reserves at once (the warm start runs before the trainers, on their share)."""
-        c = self.config
-        return {"trainers": c.trainers * c.trainer_cpus, "rollout servers": c.servers * c.server_cpus,
-                "sandbox runners": c.sandbox_runners * c.sandbox_cpus}
-
     def _warm_params(self, width: int, train):
-        import ray
-        from flax import serialization
-
-        from dew.recipes.rlvr import decoder
-
         path = self.run_dir / "warm_start.msgpack"
         template = _init_template(decoder(len(self.tokenizer), max_seq_len=width))
         if path.exists():
             return serialization.from_bytes(template, path.read_bytes())
-        task = ray.remote(_warm_start).options(**self.placement.options("trainer", 0))  # before the trainer starts
+        task = ray.remote(warm_start_task).options(**self.placement.options("trainer", 0))  # before the trainer starts
         params = ray.get(task.remote(self.config, width, train))
         partial = path.with_suffix(".partial")
         partial.write_bytes(serialization.to_bytes(params))
@@ -485,10 +259,6 @@ class RLVRPipeline:
 
     def step(self, count: int = 1) -> list[dict]:
         """Train ``count`` updates on every trainer process; returns their metrics rows."""
-        import ray
-
-        from dew_ray.actors import step_group
-
         if not self.trainers:
             raise RuntimeError("call start() before step()")
         new = []
@@ -537,17 +307,11 @@ class RLVRPipeline:
 
     def _measure(self) -> dict[str, float]:
         """The held-out reward of the policy the pool serves now."""
-        from dew.recipes.rlvr import measure_reward
-
-        return measure_reward(self.pool, _reward(self.fleet), self.tokenizer, self.held_out, self.config.eval_samples,
+        return measure_reward(self.pool, pipeline_reward(self.fleet), self.tokenizer, self.held_out, self.config.eval_samples,
                               self.config.max_new_tokens, seed=self.config.seed + 1)
 
     def finish(self) -> dict:
         """Measure the final policy on the held-out tasks, export it, plot the run and write summary.json."""
-        import ray
-
-        from dew.models.pretrained import Pretrained
-
         params = ray.get(self.trainers[0].snapshot.remote())
         self.pool.load(params, self.step_count)
         after = self._measure()
@@ -562,36 +326,12 @@ class RLVRPipeline:
             "seconds": time.perf_counter() - self.started_at, "run_dir": str(self.run_dir.resolve()),
             "policy": str(policy.resolve()), "plot": str((self.run_dir / "rlvr.png").resolve()),
         }
-        self._plot()
+        plot(self.rows, self.summary, self.run_dir / "rlvr.png", f"dew-ray RLVR: {self.run_dir.name}")
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         return self.summary
 
-    def _plot(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        steps = [row["step"] for row in self.rows]
-        figure, (reward, speed) = plt.subplots(1, 2, figsize=(10, 3.2))
-        reward.plot(steps, [row.get("rollout/reward/mean", float("nan")) for row in self.rows], marker=".")
-        reward.axhline(self.reward_before["all"], color="#999999", linestyle="--", label="held-out before")
-        reward.axhline(self.summary["reward_after"]["all"], color="#4477aa", linestyle="--", label="held-out after")
-        reward.set_xlabel("update")
-        reward.set_ylabel("mean reward of admitted rollouts")
-        reward.legend()
-        speed.plot(steps, [row.get("train/tokens", 0) / row["wall"] for row in self.rows], marker=".", color="#228833")
-        speed.set_xlabel("update")
-        speed.set_ylabel("sampled tokens trained per second")
-        figure.suptitle(f"dew-ray RLVR: {self.run_dir.resolve().name}")
-        figure.tight_layout()
-        figure.savefig(self.run_dir / "rlvr.png", dpi=110)
-        plt.close(figure)
-
     def stop(self) -> None:
         """Close the trainers, end every actor this run started, and Ray if this run started it."""
-        import ray
-
         if not ray.is_initialized():
             return
         for trainer in self.trainers:
@@ -617,26 +357,21 @@ class RLVRPipeline:
 
 
 def _leaves(tree):
-    import jax
-
     return jax.tree.leaves(tree)
 
 
 def _init_template(model):
-    import jax
-    import jax.numpy as jnp
-
     return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
 
 
 def run(config: RLVRPipelineConfig, address: str | None = None) -> dict:
     """Start, train to ``config.steps`` with a progress bar, finish and stop; returns the summary."""
-    from tqdm import tqdm
-
     with RLVRPipeline(config, address) as pipeline:
+        print(f"run directory {pipeline.run_dir}", flush=True)
         started = pipeline.start()
+        print(f"sandbox for code tasks: {pipeline.sandbox}", flush=True)
         if started["restored"]:
-            print(f"resumed {config.run_dir} at update {started['step']}", flush=True)
+            print(f"resumed {pipeline.run_dir} at update {started['step']}", flush=True)
         with tqdm(total=config.steps, initial=pipeline.step_count, desc="rlvr", unit="update",
                   disable=not config.progress, file=sys.stdout) as bar:
             while pipeline.step_count < config.steps:
@@ -645,17 +380,6 @@ def run(config: RLVRPipelineConfig, address: str | None = None) -> dict:
                 bar.set_postfix(reward=f"{row.get('rollout/reward/mean', float('nan')):.3f}",
                                 lag=row.get("scheduler/lag"))
         return pipeline.finish()
-
-
-def print_summary(summary: dict) -> None:
-    before, after = summary["reward_before"], summary["reward_after"]
-    families = ", ".join(f"{name} {before[name]:.3f} -> {after[name]:.3f}" for name in before if name != "all")
-    share = summary["wait_share"]
-    print(f"held-out reward {before['all']:.3f} -> {after['all']:.3f} ({families}) after {summary['steps']} updates")
-    print(f"rollout tokens trained per second {summary['rollout_tokens_per_second']:.0f}; trainer waited "
-          f"{'n/a' if share is None else f'{share:.1%}'} of the wall time after its first update")
-    print(f"run directory {summary['run_dir']} (policy/ as Hugging Face safetensors, rlvr.png, metrics.jsonl); "
-          f"{summary['seconds']:.0f} s in all")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -667,10 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.set)
-    except (ValueError, OSError, tomllib.TOMLDecodeError) as error:
+    except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    summary = run(config, args.address)
+    try:
+        summary = run(config, args.address)
+    except PreflightError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print_summary(summary)
     return 0
 

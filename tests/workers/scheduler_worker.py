@@ -42,7 +42,9 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
 
     from dew import Dataset, Trainer, models
     from dew.objectives.rl import GRPOObjective
-    from dew.objectives.rl.scheduler import RolloutScheduler, task_ids
+    from dew.collection.scheduler import RolloutScheduler
+    from dew.inference import WeightPublisher
+    from dew.collection.tasks import task_ids
     from dew.objectives.rl.sessions import Call, Session, SessionSource, Status
 
     width = 8  # seq_len 7: a group's two sessions (3 and 4 ids) share one row, and no other group fits beside
@@ -54,18 +56,22 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
         leaves = [np.ascontiguousarray(np.asarray(leaf, np.float32)) for leaf in jax.tree.leaves(tree)]
         return hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
 
-    class Weights:
+    class Weights(WeightPublisher):
         """Records each load; ``fail_at`` raises on that version, ``stuck_at`` stops moving past it."""
 
         def __init__(self, fail_at=None, stuck_at=None):
-            self.version, self.loads, self.fail_at, self.stuck_at = -1, [], fail_at, stuck_at
+            self.served, self.loads, self.fail_at, self.stuck_at = -1, [], fail_at, stuck_at
+
+        @property
+        def version(self):
+            return self.served
 
         def load(self, params, version):
             self.loads.append([version, checksum(params)])
             if version == self.fail_at:
                 raise ConnectionError(f"engine unreachable while loading version {version}")
             if self.stuck_at is None or version <= self.stuck_at:
-                self.version = version
+                self.served = version
 
     class Scripted(SessionSource):
         """Completed sessions fixed by (task, sample); calls carry the version served at submission."""
@@ -107,7 +113,7 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
         from dew.data.prompts import utf8_column
         from dew.inference import NativeRolloutServer, Server, ServingTask
         from dew.objectives.rl import PromptSource
-        from dew.objectives.rl.scheduler import prompt_tasks
+        from dew.collection.tasks import prompt_tasks
         from dew.sampling import Sampling
 
         served = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 4), jnp.int32))

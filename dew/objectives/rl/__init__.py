@@ -1,12 +1,23 @@
-"""Preference and reinforcement-learning objectives."""
+"""The spec's ``dew.objectives.rl``: preference and RL objectives, and what collects their batches.
 
+The objectives live here (``dpo``, ``grpo``; PPO and Flow-GRPO to come). The names the
+spec imports from this package that belong to other layers are re-exported from their
+homes: the episode protocol and records from :mod:`dew.records`, the collectors
+(SampledRollout, the sources, RolloutScheduler and its task converters) from
+:mod:`dew.collection`. ``dew.objectives.rl.sessions`` is the spec's module path for the
+records.
+"""
+
+from dew.collection.rollout import SampledRollout
+from dew.collection.scheduler import RolloutScheduler, SchedulerRecord
+from dew.collection.sources import EnvironmentSource, PromptSource
+from dew.collection.tasks import prompt_tasks, task_ids
 from dew.objectives.rl.dpo import DPOObjective
 from dew.objectives.rl.grpo import GRPOObjective
-from dew.objectives.rl.rollout import SampledRollout
-from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord
-from dew.objectives.rl.sources import EnvironmentSource, PromptSource
+from dew.records.episodes import Action, Environment, Episode, EpisodeId, EpisodeStatus, Observation, Transition
 
 __all__ = [
-    "DPOObjective", "EnvironmentSource", "GRPOObjective", "PromptSource", "RolloutScheduler", "SampledRollout",
-    "SchedulerRecord",
+    "Action", "DPOObjective", "Environment", "EnvironmentSource", "Episode", "EpisodeId", "EpisodeStatus",
+    "GRPOObjective", "Observation", "PromptSource", "RolloutScheduler", "SampledRollout", "SchedulerRecord",
+    "Transition", "prompt_tasks", "task_ids",
 ]

@@ -1,6 +1,6 @@
 """Group-relative policy optimisation on packed rows: ``GRPOObjective``.
 
-The batch is what :func:`dew.objectives.rl.sessions.pack` builds (``SampledRollout``
+The batch is what :func:`dew.records.packing.pack` builds (``SampledRollout``
 and the schedulers use it): ``[rows, seq_len + 1]`` columns ``input_ids``,
 ``text_segment_ids``, ``text_positions``, ``response_mask``, ``behavior_log_probs``,
 ``advantages`` and ``session_index``, optionally ``old_log_probs`` (raw old-policy
@@ -19,7 +19,8 @@ Behaviour corrections, off unless asked for:
   20)), c)``, detached, multiplies the surrogate before the reduction (needs
   ``old_log_probs``); ``(lo, hi)``: IcePop, weight 0 outside the ratio band;
 - ``sequence_mask=(lo, hi)`` / ``geometric_mask=(lo, hi)``: drop a chain whose summed /
-  mean k1 leaves ``[log lo, log hi]``.
+  mean k1 = -log(pi / mu) leaves ``[log lo, log hi]``, verl's seq_sum_k1 / seq_mean_k1
+  rejection with ``rollout_rs_threshold="lo_hi"`` unchanged.
 
 Without ``old_log_probs`` the loss runs in verl's bypass mode: the behaviour
 likelihoods stand in for the old policy, the band and the sequence masks compare the
@@ -49,34 +50,14 @@ from dew.objectives.base import (
     require_field,
 )
 from dew.objectives.lm import token_log_probs
-from dew.objectives.rl import losses
+from dew.losses import policy as losses
+from dew.losses.policy import AGGREGATIONS
+from dew.validation import band, number, one_of, positive
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
-AGGREGATIONS = ("token-mean", "session-mean")
 REQUIRED = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "behavior_log_probs", "advantages")
 INTEGER = ("input_ids", "text_segment_ids", "text_positions", "response_mask")
 _UNSET = object()
-
-
-def _number(name, value, low=None, high=None, low_open=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if low is not None and (value < low or (low_open and value == low)):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value!r}")
-    return float(value)
-
-
-def _band(name, value):
-    if value is None:
-        return None
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"{name} must be None or a (low, high) pair of ratios, got {value!r}")
-    low, high = (_number(f"{name}[{i}]", v, 0.0, low_open=True) for i, v in enumerate(value))
-    if not low < high:
-        raise ValueError(f"{name} must have low < high, got {value!r}")
-    return (low, high)
 
 
 class GRPOObjective(Objective):
@@ -113,27 +94,23 @@ class GRPOObjective(Objective):
             )
         self.model = model
         self.seq_len = check_seq_len(model, seq_len)
-        self.beta = _number("beta", beta, 0.0)
+        self.beta = number("beta", beta, at_least=0)
         self.pretrained = None if pretrained is None else check_variables(pretrained)
-        self.epsilon_low = _number("epsilon_low", epsilon_low, 0.0, 1.0)
-        self.epsilon_high = _number("epsilon_high", epsilon_high, 0.0)
-        self.dual_clip = None if dual_clip is None else _number("dual_clip", dual_clip, 1.0, low_open=True)
-        if policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {policy_loss!r}")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        self.policy_loss, self.aggregation = policy_loss, aggregation
+        self.epsilon_low = number("epsilon_low", epsilon_low, at_least=0, at_most=1)
+        self.epsilon_high = number("epsilon_high", epsilon_high, at_least=0)
+        self.dual_clip = None if dual_clip is None else number("dual_clip", dual_clip, above=1)
+        self.policy_loss = one_of("policy_loss", policy_loss, POLICY_LOSSES)
+        self.aggregation = one_of("aggregation", aggregation, AGGREGATIONS)
         if isinstance(behavior_importance, (tuple, list)):
-            self.behavior_importance = _band("behavior_importance", behavior_importance)
+            self.behavior_importance = band("behavior_importance", behavior_importance, strict=True)
         elif behavior_importance is None:
             self.behavior_importance = None
         else:
-            self.behavior_importance = _number("behavior_importance", behavior_importance, 0.0, low_open=True)
-        self.sequence_mask = _band("sequence_mask", sequence_mask)
-        self.geometric_mask = _band("geometric_mask", geometric_mask)
+            self.behavior_importance = positive("behavior_importance", behavior_importance)
+        self.sequence_mask = None if sequence_mask is None else band("sequence_mask", sequence_mask, strict=True)
+        self.geometric_mask = None if geometric_mask is None else band("geometric_mask", geometric_mask, strict=True)
         self.sampling_temperature = (
-            None if sampling_temperature is None
-            else _number("sampling_temperature", sampling_temperature, 0.0, low_open=True)
+            None if sampling_temperature is None else positive("sampling_temperature", sampling_temperature)
         )
         self.ema_decay = 1.0 if self.beta > 0 else None
 
@@ -153,6 +130,11 @@ class GRPOObjective(Objective):
             rows = shape[0]
             if field in INTEGER:
                 check_integer_field(batch, field, shape, owner)
+        if self.aggregation == "session-mean" and "session_index" not in batch:
+            raise ValueError(
+                f"{owner}: aggregation='session-mean' needs the batch field 'session_index' (the session of each "
+                f"sampled id, as pack writes it); the batch has {sorted(batch)}"
+            )
         check_vocabulary(batch["input_ids"], self.model, owner, "'input_ids' row")
         response = np.asarray(batch["response_mask"]) != 0
         unprefixed = response & (np.asarray(batch["text_positions"]) == 0)

@@ -1,4 +1,4 @@
-"""Two :class:`~dew.objectives.rl.sessions.SessionSource` s on a :class:`~dew.inference.RolloutServer`.
+"""Two :class:`~dew.records.sessions.SessionSource` s on a :class:`~dew.inference.RolloutServer`.
 
 ``PromptSource(server, reward, decode=..., max_new_tokens=R)`` is single-turn RLVR: one
 draw per sample, scored by ``reward(data_source, completion, ground_truth, extra_info)``
@@ -7,7 +7,7 @@ overlaps generation.
 
 ``EnvironmentSource(server, environment, verifier, max_prompt_tokens=P,
 max_new_tokens=R, max_turns=T, workers=N)`` runs the in-process
-:class:`~dew.objectives.rl.episodes.Environment` protocol, one session per sample on a
+:class:`~dew.records.episodes.Environment` protocol, one session per sample on a
 worker thread. Each turn submits the observation's exact context to the server, so
 turns of different sessions share the engine's batch; each call keeps the version it
 was submitted under.
@@ -43,9 +43,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from dew.data.prompts import METADATA
+from dew.collection.scoring import finite_score, score_completion, token_text
 from dew.inference.rollout import Draw, DrawFuture, RolloutServer
-from dew.objectives.rl.episodes import (
+from dew.records.episodes import (
     Action,
     Environment,
     Episode,
@@ -54,14 +54,8 @@ from dew.objectives.rl.episodes import (
     Observation,
     Transition,
 )
-from dew.objectives.rl.rollout import finite_score, token_text
-from dew.objectives.rl.sessions import Call, Session, SessionSource, Status, Task
-
-
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+from dew.records.sessions import Call, Session, SessionSource, Status, Task
+from dew.validation import positive_int
 
 
 def _seed(*parts: Any) -> int:
@@ -89,7 +83,7 @@ class _PooledSource(SessionSource):
         if not isinstance(server, RolloutServer):
             raise TypeError(f"server must be a dew.inference.RolloutServer, got {type(server).__name__}")
         self.server = server
-        self._pool = ThreadPoolExecutor(_positive("workers", workers), thread_name_prefix=name)
+        self._pool = ThreadPoolExecutor(positive_int("workers", workers), thread_name_prefix=name)
         self._lock = threading.Lock()
         self._live: dict[Future, _Live] = {}
         self._closed = False
@@ -167,7 +161,7 @@ class PromptSource(_PooledSource):
             raise TypeError(f"reward must be callable as reward(data_source, completion, ground_truth, extra_info), got {reward!r}")
         if decode is not None and not callable(decode):
             raise TypeError(f"decode must be callable on a list of ids, got {decode!r}")
-        self.max_new_tokens = _positive("max_new_tokens", max_new_tokens)
+        self.max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
         super().__init__(server, workers, "dew-prompt-score")
         self.reward = reward
         self.decode = decode or token_text
@@ -210,10 +204,8 @@ class PromptSource(_PooledSource):
             session.status, session.detail = Status.CANCELLED, "cancelled"
             out.set_result(session)
             return
-        ids = draw.ids[:-1] if draw.eos and draw.ids and draw.ids[-1] in self.eos_ids else draw.ids
-        fields = [str(task.data.get(name, "")) for name in METADATA]
         try:
-            score = finite_score("reward", self.reward(fields[0], self.decode(list(ids)), fields[1], fields[2]))
+            score = score_completion(self.reward, self.decode, draw.ids, self.eos_ids, task.data)
         except Exception as error:
             session.detail = f"scoring failed: {error!r}"
             out.set_result(session)
@@ -260,6 +252,10 @@ class EnvironmentSource(_PooledSource):
     server that does not, when its last id is one of ``eos_ids``. Otherwise ``env.step(Action(context, ids, eos,
     policy_step=draw.version))`` gives the next observation.
 
+    A :class:`~dew.sandbox.SubprocessEnvironment` serves sessions as
+    ``EnvironmentSource(server, workers.for_task, verifier, ...)``: its ``for_task(task,
+    identity)`` opens a worker for the session's identity.
+
     ``verifier(task, episode) -> float`` runs inside the environment's context on
     every episode whose last observation is "completed" or "truncated" (the
     environment's own truncation or the token limit); context and turn limits leave
@@ -283,9 +279,9 @@ class EnvironmentSource(_PooledSource):
             raise TypeError(f"environment must be callable as environment(task, identity), got {environment!r}")
         if not callable(verifier):
             raise TypeError(f"verifier must be callable as verifier(task, episode), got {verifier!r}")
-        self.max_prompt_tokens = _positive("max_prompt_tokens", max_prompt_tokens)
-        self.max_new_tokens = _positive("max_new_tokens", max_new_tokens)
-        self.max_turns = _positive("max_turns", max_turns)
+        self.max_prompt_tokens = positive_int("max_prompt_tokens", max_prompt_tokens)
+        self.max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
+        self.max_turns = positive_int("max_turns", max_turns)
         super().__init__(server, workers, "dew-environment-session")
         self.environment, self.verifier = environment, verifier
         self.eos_ids = frozenset(int(i) for i in eos_ids)

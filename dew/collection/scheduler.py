@@ -40,32 +40,11 @@ policy); ``behavior_log_probs`` stays as the engine reported it.
 Multi-process trainers. Every trainer process runs its own scheduler, on its own source,
 over the task rows its partition of the data stream reads, and packs its own N rows; the
 step's batch is every process's rows together (the Trainer shards the returned rows as
-it shards any batch), so no rollout crosses a process. Each scheduler call meets the
-other processes' calls, in the same order on every process, at three points:
-
-- the weight push. Every process decides alike (the served version is one every process
-  agreed on) and gathers the variables to host memory collectively; ``push="one"``
-  (default) has process 0 call ``weights.load``: one engine pool serves every process's
-  source. ``push="each"`` has every process load its own ``weights``: each process's
-  source has an engine of its own (a NativeRolloutServer per process). The processes
-  then exchange the outcome, so every process sees the same served version and a push
-  that fails or does not move the version raises on every process;
-- the admission. Before the rescoring the processes exchange whether their admission
-  succeeded; a failure on any process (a source that raised, a group that cannot fit N
-  rows, a converter error) raises on every process, naming the process and its cause
-  (the failing process raises its own error), rather than leave the others waiting in
-  the rescoring. When no process has a trainable row, every process returns None and
-  the step makes no update; when only some do, the others contribute N fully masked
-  rows. ``session_index`` is offset by the sessions of the processes before this one,
-  and a field one process packed (supports, router records) is padded on the others,
-  so the global batch is laid out as one pack of every process's groups would be;
-- the proximal rescoring, one jitted computation over the global batch on the
-  trainer's mesh, from which each process takes back its own rows.
-
-Construction makes no collective call; the first scheduler call agrees on the served
-version and checks that ``rows``, ``width``, ``sync_every`` and ``push`` match across
-processes. A source that never resolves still blocks every process (use ``timeout``).
-Each process logs its own :class:`SchedulerRecord`.
+it shards any batch), so no rollout crosses a process. The calls meet at the weight push
+(``push="one"``: process 0 loads ``weights``, which serves every process's source;
+``push="each"``: every process loads its own), the admission and the proximal rescoring:
+:mod:`dew.collection.agreement` says how. Construction makes no collective call; a
+source that never resolves still blocks every process (use ``timeout``). Each process logs its own :class:`SchedulerRecord`.
 """
 
 from __future__ import annotations
@@ -74,84 +53,29 @@ import collections
 import dataclasses
 import logging
 import time
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
+from dew.collection.agreement import RESCORED, ProcessAgreement
+from dew.collection.streams import AheadStream, PositionedStream
+from dew.collection.tasks import infer_tasks
 from dew.data.dataset import Batch, Dataset, StreamPosition
-from dew.data.prompts import METADATA, metadata_texts, prompt_rows
-from dew.objectives.rl.sessions import (
-    ESTIMATORS,
-    TRUNCATIONS,
-    Session,
-    SessionSource,
-    Status,
-    Task,
-    chain_lengths,
-    pack,
-    rows_needed,
-    session_metrics,
-)
-from dew.sharding import (
-    DATA_AXIS,
-    collective_host,
-    data_mesh,
-    describe_error,
-    exchange,
-    process_rows,
-    raise_failures,
-    row_sharded,
-    shard_batch,
-)
+from dew.inference.publisher import WeightPublisher
+from dew.losses.advantages import ESTIMATORS
+from dew.records.metrics import session_metrics
+from dew.records.packing import chain_lengths, pack, rows_needed
+from dew.records.sessions import TRUNCATIONS, Session, SessionSource, Status, Task
+from dew.validation import integer, one_of, positive, positive_int
 
 logger = logging.getLogger(__name__)
 
 _POLL = 0.05  # seconds between checks of timeouts while waiting on rollouts
 PUSHES = ("one", "each")
-
-
-# ----- converting data batches to tasks --------------------------------------------------------
-
-
-def task_ids(batch: Batch) -> list[Task]:
-    """Tasks from integer ``task_id`` rows: ``Task(str(id), {"task_id": id})``."""
-    if "task_id" not in batch:
-        raise KeyError(f"task_ids needs a 'task_id' field; the batch has {sorted(batch)}")
-    ids = np.asarray(batch["task_id"])
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"task_id must be a [rows] integer array, got shape {ids.shape} dtype {ids.dtype}")
-    return [Task(str(int(i)), {"task_id": int(i)}) for i in ids]
-
-
-def prompt_tasks(batch: Batch) -> list[Task]:
-    """Tasks from Prompts rows: left-padded ``prompt``, ``prompt_length`` and the UTF-8 reward fields.
-
-    Each task's data holds ``prompt_ids`` and the reward fields as strings; its id is a
-    checksum of the prompt and its fields (advantages group by the scheduler's group id).
-    """
-    rows = prompt_rows(batch, "prompt_tasks")
-    texts = {field: metadata_texts(batch, field, len(rows)) for field in METADATA}
-    tasks = []
-    for row, ids in enumerate(rows):
-        data: dict[str, Any] = {"prompt_ids": ids, **{field: texts[field][row] for field in METADATA}}
-        digest = zlib.crc32(repr((ids, [data[f] for f in METADATA])).encode())
-        tasks.append(Task(f"prompt-{digest:08x}", data))
-    return tasks
-
-
-def _infer_tasks(batch: Batch) -> list[Task]:
-    if "task_id" in batch:
-        return task_ids(batch)
-    if "prompt" in batch:
-        return prompt_tasks(batch)
-    raise KeyError(f"cannot tell the batch's tasks: it has neither 'task_id' nor 'prompt' (fields {sorted(batch)}); "
-                   "pass tasks=task_ids, tasks=prompt_tasks or your own converter")
 
 
 # ----- the record ------------------------------------------------------------------------------
@@ -265,25 +189,22 @@ class RolloutScheduler:
         log: Callable[[SchedulerRecord], Any] | None = None,
         push: str = "one",
     ):
-        if push not in PUSHES:
-            raise ValueError(f"push must be one of {PUSHES}, got {push!r}")
+        one_of("push", push, PUSHES)
         if not isinstance(source, SessionSource):
             raise TypeError(f"source must be a SessionSource, got {type(source).__name__}")
-        if not hasattr(weights, "load") or not hasattr(weights, "version"):
-            raise TypeError(f"weights must have load(params, version) and version, got {type(weights).__name__}")
+        if not isinstance(weights, WeightPublisher):
+            raise TypeError(f"weights must be a dew.inference.WeightPublisher (load(variables, version) and version), "
+                            f"got {type(weights).__name__}")
         for name, value, low in (("width", width, 2), ("rows", rows, 1), ("groups", groups, 2),
                                  ("max_lag", max_lag, 0), ("ahead", ahead, 0), ("sync_every", sync_every, 1),
                                  ("max_attempts", max_attempts, 1), ("oversample", oversample, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if admit is not None and (isinstance(admit, bool) or not isinstance(admit, int) or admit < 1):
-            raise ValueError(f"admit must be None or a positive integer, got {admit!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ValueError(f"timeout must be None or a positive number of seconds, got {timeout!r}")
-        if truncation not in TRUNCATIONS:
-            raise ValueError(f"truncation must be one of {TRUNCATIONS}, got {truncation!r}")
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+            integer(name, value, at_least=low)
+        if admit is not None:
+            positive_int("admit", admit, why="or None")
+        if timeout is not None:
+            positive("timeout", timeout, why="seconds, or None")
+        one_of("truncation", truncation, TRUNCATIONS)
+        one_of("estimator", estimator, ESTIMATORS)
         if max_lag < ahead + sync_every - 1:
             raise ValueError(
                 f"max_lag={max_lag} is below ahead + sync_every - 1 = {ahead} + {sync_every} - 1 = "
@@ -305,11 +226,10 @@ class RolloutScheduler:
         self.truncation, self.max_attempts, self.timeout = truncation, max_attempts, timeout
         self.oversample, self.admit, self.support_capacity = oversample, admit, support_capacity
         self.estimator, self.log, self.push = estimator, log, push
-        self.converter = tasks or _infer_tasks
+        self.converter = tasks or infer_tasks
         self._rescore = jax.jit(objective.packed_log_probs)
-        self._sharded_rescore: dict = {}  # mesh -> the rescoring jitted to return row-sharded scores
-        self._processes = jax.process_count()
-        self._agreed: int | None = None  # multi-process: the served version every process agreed on
+        options = {"rows": rows, "width": width, "sync_every": sync_every, "push": push}
+        self._agreement = ProcessAgreement(weights, push, options) if jax.process_count() > 1 else None
         self._queue: collections.deque[_Batch] = collections.deque()  # registered, not yet trained on
         self._next_group = 0
         self._finished: dict[Future, float] = {}
@@ -322,9 +242,9 @@ class RolloutScheduler:
             raise TypeError(f"tasks needs a dew.Dataset, got {type(dataset).__name__}")
 
         def train(partition):
-            self._reset()  # a reopened stream: what the old one left running is cancelled
+            self.reset()  # a reopened stream: what the old one left running is cancelled
             inner = iter(dataset.train(partition))
-            kind = _PositionedStream if isinstance(inner, StreamPosition) else _AheadStream
+            kind = PositionedStream if isinstance(inner, StreamPosition) else AheadStream
             return kind(self, inner)
 
         return Dataset(train=train, val=dataset.val, records=dataset.records, batch=dataset.batch)
@@ -333,7 +253,7 @@ class RolloutScheduler:
         """Queue a data batch that the trainer will hand over later (the stream calls this)."""
         self._queue.append(_Batch(batch, list(self.converter(batch))))
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
         for entry in self._queue:
             self._cancel_batch(entry)
         self._queue.clear()
@@ -390,42 +310,20 @@ class RolloutScheduler:
         One process: ``weights.version``. Several: the version every process agreed on at
         the last push (or, before any, at the first scheduler call).
         """
-        if self._processes == 1:
+        if self._agreement is None:
             return int(self.weights.version)
-        if self._agreed is None:
+        if self._agreement.agreed is None:
             raise RuntimeError("the processes agree on the served version at the first scheduler call; none ran yet")
-        return self._agreed
-
-    def _loads_here(self) -> bool:
-        return self.push == "each" or jax.process_index() == 0
-
-    def _meet(self) -> None:
-        """The first call on a multi-process trainer: agree on the served version and the shared options."""
-        options = {"rows": self.rows, "width": self.width, "sync_every": self.sync_every, "push": self.push}
-        served = int(self.weights.version) if self._loads_here() else None
-        everyone = exchange({"options": options, "served": served})
-        for process, theirs in enumerate(everyone):
-            if theirs["options"] != options:
-                raise ValueError(
-                    f"RolloutScheduler options differ across processes: process {jax.process_index()} has {options}, "
-                    f"process {process} has {theirs['options']}; every process must build the scheduler alike"
-                )
-        versions = {p: theirs["served"] for p, theirs in enumerate(everyone) if theirs["served"] is not None}
-        if len(set(versions.values())) > 1:
-            raise ValueError(
-                f"with push='each' every process's weights must start at the same version; they serve {versions} "
-                "(process: version)"
-            )
-        self._agreed = next(iter(versions.values()))
+        return self._agreement.agreed
 
     def _push(self, variables, version: int) -> bool:
-        if self._processes > 1 and self._agreed is None:
-            self._meet()
+        if self._agreement is not None and self._agreement.agreed is None:
+            self._agreement.meet()
         before = self.served_version
         if version - before < self.sync_every:
             return False
-        if self._processes > 1:
-            return self._push_together(variables, version, before)
+        if self._agreement is not None:
+            return self._agreement.push_weights(variables, version, before)
         # The trainer donates its state to the next update; the server must keep a copy of its own.
         variables = jax.tree.map(jnp.copy, variables)
         for _ in range(2):
@@ -437,31 +335,6 @@ class RolloutScheduler:
             f"(was {before}) after two tries"
         )
 
-    def _push_together(self, variables, version: int, before: int) -> bool:
-        """Every process calls: gather to host, load where ``push`` says, agree on the outcome."""
-        host = collective_host(variables)
-        loads = self._loads_here()
-        for attempt in range(2):
-            error, served = None, None
-            if loads:
-                try:
-                    if attempt == 0 or int(self.weights.version) != version:
-                        self.weights.load(host, version)
-                    served = int(self.weights.version)
-                except Exception as caught:  # told to every process below, then raised here
-                    error = caught
-            everyone = exchange({"error": describe_error(error), "served": served})
-            raise_failures(everyone, error, f"the weight push for version {version}")
-            stuck = {p: theirs["served"] for p, theirs in enumerate(everyone)
-                     if theirs["served"] is not None and theirs["served"] != version}
-            if not stuck:
-                self._agreed = version
-                return True
-        where = ", ".join(f"{served} on process {p}" for p, served in stuck.items())
-        raise RuntimeError(
-            f"pushing weights for version {version} left the served version at {where} (was {before}) after two tries"
-        )
-
     # ----- the rollout -----------------------------------------------------------------------
 
     def __call__(self, batch: Batch, variables, version: int, key=None) -> Batch | None:
@@ -470,14 +343,14 @@ class RolloutScheduler:
         try:
             got = self._admit(batch, version)
         except Exception as error:
-            if self._processes > 1:
-                everyone = exchange({"error": describe_error(error)})
-                raise_failures(everyone, error, f"rollout admission for update {version}")
+            if self._agreement is not None:
+                self._agreement.failed(error, version)
             raise
         out = got.out
         trainable = out is not None and bool((np.asarray(out["response_mask"]) != 0).any())
-        if self._processes > 1:
-            out = self._together(out if trainable else None, len(got.sessions), version)
+        if self._agreement is not None:
+            out = self._agreement.together(out if trainable else None, len(got.sessions), version, width=self.width,
+                                           rows=self.rows, estimator=self.estimator, truncation=self.truncation)
         elif not trainable:
             out = None  # every admitted rollout masked: nothing to train on
         if out is not None:
@@ -522,40 +395,6 @@ class RolloutScheduler:
                          abandoned=sum(g.state == "abandoned" for g in entry.groups), causes=causes,
                          cancellations=stats["cancellations"], waited=waited)
 
-    def _together(self, out: Batch | None, sessions: int, version: int) -> Batch | None:
-        """Agree with the other processes on this step's batch; returns this process's rows of it, or None.
-
-        ``out`` is this process's packed batch when it has a trainable row. Every process
-        returns None when none has one; otherwise a process without one contributes N
-        masked rows, and every process's rows carry the union of the packed fields.
-        """
-        mine = {} if out is None else {k: [str(np.asarray(v).dtype), list(np.shape(v)[1:])]
-                                       for k, v in out.items() if k != "old_log_probs"}
-        everyone = exchange({"error": None, "sessions": sessions, "fields": mine})
-        raise_failures(everyone, None, f"rollout admission for update {version}")
-        fields: dict[str, list] = {}
-        for process, theirs in enumerate(everyone):
-            for name, spec in theirs["fields"].items():
-                if fields.setdefault(name, spec) != spec:
-                    raise ValueError(
-                        f"the processes packed field {name!r} differently at update {version} "
-                        f"([dtype, trailing shape]): {fields[name]} before process {process}, {spec} on it"
-                    )
-        if not fields:
-            return None  # no process has a trainable row: every process skips the update
-        if out is None:  # pack's own padding for the standard fields, no sessions in them
-            out = pack([], self.width, rows=self.rows, estimator=self.estimator, truncation=self.truncation)
-        else:
-            out = dict(out)
-        for name, (dtype, shape) in fields.items():
-            if name not in out:
-                out[name] = np.full((self.rows, *shape), _PADDING.get(name, 0), np.dtype(dtype))
-        # session_index must name sessions across the global batch (the session-mean aggregation counts them).
-        offset = sum(theirs["sessions"] for theirs in everyone[: jax.process_index()])
-        index = np.asarray(out["session_index"])
-        out["session_index"] = np.where(index >= 0, index + offset, index).astype(index.dtype)
-        return out
-
     def _take(self, batch: Batch) -> _Batch:
         """The registered entry of ``batch``; entries before it (skipped on resume) are dropped."""
         for index, entry in enumerate(self._queue):
@@ -571,15 +410,11 @@ class RolloutScheduler:
         On several processes every process calls with its own rows: one computation over
         the global batch, on the mesh the variables live on.
         """
-        fields = {k: np.asarray(batch[k]) for k in _RESCORED if k in batch}
-        if self._processes == 1:
+        fields = {k: np.asarray(batch[k]) for k in RESCORED if k in batch}
+        if self._agreement is None:
             scores = np.asarray(self._rescore(variables, {k: jnp.asarray(v) for k, v in fields.items()}))
         else:
-            mesh = _mesh_of(variables)
-            if mesh not in self._sharded_rescore:
-                self._sharded_rescore[mesh] = jax.jit(self.objective.packed_log_probs,
-                                                      out_shardings=row_sharded(mesh))
-            scores = process_rows(self._sharded_rescore[mesh](variables, shard_batch(fields, mesh)))
+            scores = self._agreement.rescore(self.objective.packed_log_probs, variables, fields)
         return np.where(np.asarray(batch["response_mask"]) != 0, scores, 0.0).astype(np.float32)
 
     def _collect(self, entry: _Batch, version: int, causes, stats) -> tuple[list[_Group], int]:
@@ -681,68 +516,4 @@ class RolloutScheduler:
 
     def close(self) -> None:
         """Cancel every rollout in flight and forget the registered batches."""
-        self._reset()
-
-
-# ----- meeting the other processes -------------------------------------------------------------
-
-_RESCORED = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")
-_PADDING = {"support_ids": -1, "support_columns": -1}  # pack's fill for the fields it adds only with supports
-def _mesh_of(variables):
-    """The trainer's data mesh, read from the variables' sharding (default: every device)."""
-    for leaf in jax.tree.leaves(variables):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and DATA_AXIS in sharding.mesh.axis_names:
-            return sharding.mesh
-    return data_mesh()
-
-
-# ----- the stream wrappers ---------------------------------------------------------------------
-
-
-class _AheadStream:
-    """Reads up to ``ahead`` batches beyond the one it hands over, registering each as it reads it."""
-
-    def __init__(self, scheduler: RolloutScheduler, inner: Iterator[Batch]):
-        self._scheduler, self._inner = scheduler, inner
-        self._buffer: collections.deque = collections.deque()  # (position before the batch, batch)
-        self._ended = False
-
-    def __iter__(self):
-        return self
-
-    def _where(self) -> Any:
-        return None
-
-    def _fill(self) -> None:
-        while not self._ended and len(self._buffer) < self._scheduler.ahead + 1:
-            where = self._where()
-            try:
-                batch = next(self._inner)
-            except StopIteration:
-                self._ended = True
-                return
-            self._scheduler.register(batch)
-            self._buffer.append((where, batch))
-
-    def __next__(self) -> Batch:
-        self._fill()
-        if not self._buffer:
-            raise StopIteration
-        return self._buffer.popleft()[1]
-
-
-class _PositionedStream(_AheadStream):
-    """An ahead stream over a stream with positions: reports the next batch it hands over."""
-
-    def _where(self) -> Any:
-        return self._inner.position()
-
-    def position(self) -> Any:
-        return self._buffer[0][0] if self._buffer else self._inner.position()
-
-    def restore(self, position: Any) -> None:
-        self._inner.restore(position)
-        self._buffer.clear()
-        self._ended = False
-        self._scheduler._reset()
+        self.reset()

@@ -9,7 +9,7 @@ attempted step, the sample index within the group and a seed) and returns an
 
 Statuses are an enum, :class:`EpisodeStatus`; ``Observation`` also accepts the
 enum's string values ("running", "completed", "truncated", "cancelled", "error") and
-stores the enum. Token ids are checked here once (non-negative integers, booleans
+stores the enum. Token ids are checked once, by :func:`dew.records.actions.token_ids` (non-negative integers, booleans
 refused, numpy integers converted to ``int``); their upper bound is the caller's to
 check, since only it knows the vocabulary.
 
@@ -24,9 +24,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-import numbers
-from collections.abc import Iterable, Mapping
-from collections.abc import Set as AbstractSet
+
+from dew.records.actions import token_ids
+from dew.validation import integer
 
 SNAPSHOTS_OPTIONAL = "snapshots are needed only when episodes are journaled"
 
@@ -48,26 +48,6 @@ class EnvironmentFailure(RuntimeError):
     """
 
 
-def token_ids(name: str, values: Iterable[int], nonempty: bool = False) -> tuple[int, ...]:
-    """``values`` (a list, tuple or 1-D array) as a tuple of ``int``; ``ValueError`` naming ``name`` unless all
-    are non-negative integers."""
-    if isinstance(values, (str, bytes, Mapping, AbstractSet)) or not isinstance(values, Iterable):
-        raise ValueError(f"{name} must be an ordered sequence of token ids, got {type(values).__name__}")
-    values = tuple(values)
-    if nonempty and not values:
-        raise ValueError(f"{name} must hold at least one token id")
-    for index, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise ValueError(f"{name}[{index}] must be a non-negative integer token id (not a bool), got {value!r}")
-    return tuple(int(value) for value in values)
-
-
-def _check_count(name: str, value: int, minimum: int | None = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        bound = "an integer" if minimum is None else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class EpisodeId:
     """Which episode an environment serves: task id, attempted training step, sample index in the group, seed."""
@@ -79,8 +59,8 @@ class EpisodeId:
 
     def __post_init__(self):
         for name in ("task", "step", "sample"):
-            _check_count(f"EpisodeId.{name}", getattr(self, name))
-        _check_count("EpisodeId.seed", self.seed, minimum=None)
+            integer(f"EpisodeId.{name}", getattr(self, name), at_least=0)
+        integer("EpisodeId.seed", self.seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +115,7 @@ class Action:
             raise ValueError(f"Action.eos must be a bool, got {self.eos!r}")
         if self.eos and not self.tokens:
             raise ValueError("Action.eos is true but Action.tokens is empty; the EOS id is one of the sampled tokens")
-        _check_count("Action.policy_step", self.policy_step)
+        integer("Action.policy_step", self.policy_step, at_least=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ packed into each row's cache), scores every completion with
 
 (``completion`` is ``decode`` of the sampled ids without EOS and padding; the default
 ``decode`` writes the ids separated by spaces), turns each completion into a one-call
-:class:`~dew.objectives.rl.sessions.Session` (COMPLETED on EOS, TRUNCATED on the budget,
+:class:`~dew.records.sessions.Session` (COMPLETED on EOS, TRUNCATED on the budget,
 both scored: ``truncation="score"``) and returns ``pack(...)`` of them with the raw
 policy's ``old_log_probs``: every column ``[B * G, seq_len + 1]``, session ``b * G + g``
 being prompt row ``b``'s completion ``g``. A reward or decode failure raises naming the
@@ -21,13 +21,12 @@ prompt row; nothing trains on a partial group.
 ``response/length`` and ``response/eos_share``.
 
 For the same recipe over any :class:`~dew.inference.RolloutServer`, as a
-:class:`~dew.objectives.rl.sessions.SessionSource` whose draws are scored on a thread
-pool as each finishes, see :class:`~dew.objectives.rl.sources.PromptSource`.
+:class:`~dew.records.sessions.SessionSource` whose draws are scored on a thread
+pool as each finishes, see :class:`~dew.collection.sources.PromptSource`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -35,20 +34,12 @@ import numpy as np
 
 from dew.data.prompts import METADATA, metadata_texts, prompt_rows
 from dew.inference.generation import TextGeneration
-from dew.objectives.rl.sessions import ESTIMATORS, Call, Session, Status, Task, pack
+from dew.collection.scoring import ScoringError, score_completion, token_text
+from dew.losses.advantages import ESTIMATORS
+from dew.records.packing import pack
+from dew.records.sessions import Call, Session, Status, Task
 from dew.sampling import Sampling
-
-
-def finite_score(name: str, value) -> float:
-    """A reward or verifier result as a float, or a ValueError saying what came back instead."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-        raise ValueError(f"the {name} returned {value!r}; it must return a finite float")
-    return float(value)
-
-
-def token_text(ids: Sequence[int]) -> str:
-    """The default decode: ids separated by spaces."""
-    return " ".join(str(int(i)) for i in ids)
+from dew.validation import integer, one_of, positive_int
 
 
 class SampledRollout:
@@ -66,15 +57,12 @@ class SampledRollout:
     ):
         if not callable(reward):
             raise TypeError(f"reward must be callable as reward(data_source, completion, ground_truth, extra_info), got {reward!r}")
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 2:
-            raise ValueError(f"groups must be an integer >= 2 (advantages compare completions of one prompt), got {groups!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        integer("groups", groups, at_least=2, why="advantages compare completions of one prompt")
+        positive_int("max_new_tokens", max_new_tokens)
         sampling = Sampling() if sampling is None else sampling
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}")
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        one_of("estimator", estimator, ESTIMATORS)
         if decode is not None and not callable(decode):
             raise TypeError(f"decode must be callable on a list of ids, got {decode!r}")
         self.objective = objective
@@ -111,20 +99,11 @@ class SampledRollout:
             count = int(generation.lengths[index])
             ids = [int(i) for i in generation.ids[index, :count]]
             ended = bool(generation.eos[index])
-            text_ids = ids[:-1] if ended and ids and ids[-1] in eos_ids else ids
+            fields = {field: metadata[field][row] for field in METADATA}
             try:
-                completion = self.decode(text_ids)
-            except Exception as error:
-                raise ValueError(f"decode failed on a completion of prompt row {row} (sample {sample}): {error!r}") from error
-            try:
-                score = self.reward(metadata["data_source"][row], completion, metadata["ground_truth"][row],
-                                    metadata["extra_info"][row])
-            except Exception as error:
-                raise ValueError(f"the reward raised on a completion of prompt row {row} (sample {sample}): {error!r}") from error
-            try:
-                score = finite_score("reward", score)
-            except ValueError as error:
-                raise ValueError(f"{error} (a completion of prompt row {row}, sample {sample})") from None
+                score = score_completion(self.reward, self.decode, ids, eos_ids, fields)
+            except ScoringError as error:
+                raise ValueError(f"{error} (on a completion of prompt row {row}, sample {sample})") from error
             call = Call(
                 prompt_ids=context,
                 sampled_ids=ids,

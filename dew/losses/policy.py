@@ -1,9 +1,22 @@
-"""Preference and policy losses as pure functions of arrays (no model calls).
+"""Policy-gradient losses, KL penalty and behaviour-policy corrections as pure functions of arrays.
 
-The objective classes run the model and hand log-probabilities here, so each loss
-can be checked against its reference implementation on fixed tensors: DPO against TRL,
-the policy-gradient losses, group advantages, KL penalty and behaviour-policy
-corrections against verl 0.9.1.
+The objective classes run the model and hand log-probabilities here, so each loss can be
+checked against its reference on fixed tensors. Everything follows verl 0.9.1
+(verl/trainer/ppo/core_algos.py and verl/trainer/ppo/rollout_corr_helper.py) formula for
+formula, clamps and epsilons included; tools/parity_agentic.py and tools/parity_behavior.py
+record verl's outputs and tests/test_agentic_losses.py, tests/test_behavior_losses.py compare
+at 1e-6. Value losses for PPO's critic belong beside these.
+
+Token arrays are [rows, width]; ``mask`` is a 0/1 float [rows, width]. A packed row holds
+several chains, so per-sequence reductions take ``segments`` (int [rows, width], the chain
+id of each token, any value where mask is 0) and a static ``num_segments``; with
+``segments=None`` each row is one sequence, verl's layout. Masked entries never reach a sum
+(verl's masked_sum zeroes them with ``where`` before multiplying by the mask), so padding
+may hold any finite value.
+
+One deliberate difference: verl divides by the token count (token-mean) or the sequence
+count (seq-mean-token-mean) without a guard, so a batch with no trainable token gives NaN
+there; here it gives 0 and a zero gradient.
 """
 
 from __future__ import annotations
@@ -13,60 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-
-def sequence_log_probs(token_log_probs: jax.Array, mask: jax.Array) -> jax.Array:
-    """Sum of per-token log-probabilities under a 0/1 (or weight) mask along the last axis.
-
-    token_log_probs, mask: [..., width] -> [...]
-    """
-    return (token_log_probs * mask).sum(axis=-1)
-
-
-def dpo_loss(
-    policy_log_probs: jax.Array, reference_log_probs: jax.Array, beta: float
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Direct preference optimisation's sigmoid loss (Rafailov et al.; TRL's ``loss_type="sigmoid"``).
-
-    policy_log_probs, reference_log_probs: [pairs, 2] float32 sequence log-probabilities of
-    the completions, index 0 chosen and 1 rejected. Returns the mean of
-    ``-log sigmoid(beta * ((pc - rc) - (pr - rr)))`` and the metrics ``rewards/chosen``,
-    ``rewards/rejected`` (beta times each side's log-ratio, averaged), ``rewards/margins``
-    and ``rewards/accuracies`` (the share of pairs whose chosen reward is higher).
-    """
-    reference_log_probs = jax.lax.stop_gradient(reference_log_probs)
-    ratios = policy_log_probs - reference_log_probs  # [pairs, 2]
-    loss = -jax.nn.log_sigmoid(beta * (ratios[:, 0] - ratios[:, 1])).mean()
-    rewards = beta * jax.lax.stop_gradient(ratios)
-    metrics = {
-        "rewards/chosen": rewards[:, 0].mean(),
-        "rewards/rejected": rewards[:, 1].mean(),
-        "rewards/margins": (rewards[:, 0] - rewards[:, 1]).mean(),
-        "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).astype(jnp.float32).mean(),
-    }
-    return loss, metrics
-
-
-# ---------------------------------------------------------------------------------------
-# Policy-gradient losses, advantages and behaviour-policy corrections, following verl 0.9.1
-# (verl/trainer/ppo/core_algos.py and verl/trainer/ppo/rollout_corr_helper.py) formula for
-# formula, clamps and epsilons included; tools/parity_agentic.py and tools/parity_behavior.py
-# record verl's outputs and tests/test_agentic_losses.py, tests/test_behavior_losses.py
-# compare at 1e-6.
-#
-# Token arrays are [rows, width]; ``mask`` is a 0/1 float [rows, width]. A packed row holds
-# several chains, so per-sequence reductions take ``segments`` (int [rows, width], the
-# chain id of each token, any value where mask is 0) and a static ``num_segments``; with
-# ``segments=None`` each row is one sequence, verl's layout. Masked entries never reach a
-# sum (verl's masked_sum zeroes them with ``where`` before multiplying by the mask), so
-# padding may hold any finite value.
-#
-# One deliberate difference: verl divides by the token count (token-mean) or the
-# sequence count (seq-mean-token-mean) without a guard, so a batch with no trainable
-# token gives NaN there; here it gives 0 and a zero gradient.
-# ---------------------------------------------------------------------------------------
-
 AGGREGATIONS = ("token-mean", "session-mean")
-ESTIMATORS = ("group", "mean", "rloo")
 SEQUENCE_MODES = ("sum", "mean")
 _SAFETY_BOUND = 20.0  # verl clamps log-ratios to +-20 before exponentiating
 
@@ -261,38 +221,6 @@ def k3_kl(log_probs: jax.Array, ref_log_probs: jax.Array) -> jax.Array:
     return _clamp(jnp.exp(d) - d - 1, -10.0, 10.0)
 
 
-def group_advantages(rewards: jax.Array, groups: jax.Array, estimator: str, epsilon: float = 1e-6) -> jax.Array:
-    """Group-relative advantages of outcome rewards (verl compute_grpo_outcome_advantage and
-    compute_rloo_outcome_advantage).
-
-    rewards: [samples] float32; groups: [samples] int, a key per sample (any values, in any
-    order). With n members in a sample's group, mean and unbiased std over the group:
-
-    - "group": (r - mean) / (std + epsilon) (GRPO, norm_adv_by_std_in_grpo=True);
-    - "mean": r - mean (Dr.GRPO, norm_adv_by_std_in_grpo=False);
-    - "rloo": r n / (n - 1) - mean n / (n - 1), r minus the mean of the others.
-
-    A group of one member keeps its raw reward, as in verl: mean 0 and std 1 there, so
-    "group" gives r / (1 + epsilon) and "mean" and "rloo" give r. Returns [samples] float32.
-    """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    if rewards.ndim != 1 or groups.shape != rewards.shape:
-        raise ValueError(f"rewards and groups must both be [samples], got {rewards.shape} and {groups.shape}")
-    same = groups[:, None] == groups[None, :]  # [samples, samples]; sums rather than a matmul keep float32 exact
-    n = same.sum(axis=1).astype(rewards.dtype)
-    single = n < 2
-    mean = jnp.where(same, rewards[None, :], 0.0).sum(axis=1) / n
-    if estimator == "group":
-        deviations = jnp.where(same, (rewards[None, :] - mean[:, None]) ** 2, 0.0).sum(axis=1)
-        std = jnp.sqrt(deviations / jnp.where(single, 1.0, n - 1))
-        return jnp.where(single, rewards / (1.0 + epsilon), (rewards - mean) / (std + epsilon))
-    if estimator == "mean":
-        return jnp.where(single, rewards, rewards - mean)
-    others = jnp.where(single, 1.0, n - 1)
-    return jnp.where(single, rewards, rewards * n / others - mean * n / others)
-
-
 def token_tis_weights(
     old_log_probs: jax.Array, behavior_log_probs: jax.Array, cap: float, mask: jax.Array | None = None
 ) -> jax.Array:
@@ -351,22 +279,23 @@ def sequence_mask(
     high: float,
     mode: str,
 ) -> jax.Array:
-    """Keep a whole chain when its summed ("sum") or mean ("mean") clipped log-ratio lies in
+    """Keep a whole chain when its summed ("sum") or mean ("mean") k1 = -log(pi / mu) lies in
     [log(low), log(high)]; returns mask * keep per token.
 
     log_ratio: [rows, width] float32, log(pi / mu), clipped to ±20 per token; mask:
     [rows, width]; segments: int [rows, width] chain ids (None: one chain per row) with
-    static num_segments. "sum" bounds the chain's ratio prod(pi / mu), "mean" its geometric
-    mean (mean = masked sum / (count + 1e-8)). verl's seq_sum_k1 and seq_mean_k1 rejection
-    (compute_rollout_rejection_mask) test k1 = -log_ratio, so this is verl with
-    rollout_rs_threshold ``f"{1 / high}_{1 / low}"``. Returns [rows, width], mask's dtype, no gradient.
+    static num_segments. "sum" tests the chain's summed k1 = log prod(mu / pi), "mean" its
+    mean over the chain's tokens (masked sum / (count + 1e-8)). This is verl's seq_sum_k1 and
+    seq_mean_k1 rejection (compute_rollout_rejection_mask) with rollout_rs_threshold
+    ``f"{low}_{high}"``: a verl band carries over unchanged. Returns [rows, width], mask's
+    dtype, no gradient.
     """
     if mode not in SEQUENCE_MODES:
         raise ValueError(f"sequence mask mode must be one of {SEQUENCE_MODES}, got {mode!r}")
     _check_band(low, high, "sequence band")
-    log_ratio = jax.lax.stop_gradient(_clamp(log_ratio, -_SAFETY_BOUND, _SAFETY_BOUND))
+    k1 = -jax.lax.stop_gradient(_clamp(log_ratio, -_SAFETY_BOUND, _SAFETY_BOUND))
     ids, num_segments = _segment_ids(mask, segments, num_segments)
-    statistic = _segment_sum(jnp.where(mask != 0, log_ratio, 0.0) * mask, ids, num_segments)
+    statistic = _segment_sum(jnp.where(mask != 0, k1, 0.0) * mask, ids, num_segments)
     if mode == "mean":
         statistic = statistic / (_segment_sum(mask, ids, num_segments) + 1e-8)
     keep = (statistic >= math.log(low)) & (statistic <= math.log(high))

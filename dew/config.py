@@ -1,0 +1,121 @@
+"""Typed run configuration: pydantic models, read from TOML files and ``key=value`` overrides.
+
+Every pipeline's options are a :class:`Config` (a frozen, strict pydantic model that
+refuses unknown fields, booleans for numbers and non-finite floats), and
+:func:`load_config` reads one the same way for all of them: a TOML file (flat keys, or
+under a table named for the pipeline), then ``key=value`` overrides (each value read as
+its field's type by pydantic's own lax parsing, ``none``/``null`` meaning None where the
+field allows it), then keyword values. A bad value raises :class:`ConfigError` naming the
+field, the value and what was expected:
+
+    config field 'servers' must be an integer >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+C = TypeVar("C", bound="Config")
+
+_EXPECTED = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
+    "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
+}
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+
+
+class ConfigError(ValueError):
+    """A configuration value that does not fit its field; the message names the field."""
+
+
+def _expected(error: Mapping[str, Any]) -> str:
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind in _BOUNDS:
+        bound = next(iter(ctx.values()))
+        return f"{'an integer' if isinstance(bound, int) else 'a number'} {_BOUNDS[kind]} {bound}"
+    if kind == "literal_error":
+        return f"one of {ctx.get('expected')}"
+    return _EXPECTED.get(kind, error["msg"].removeprefix("Input should be ").lower())
+
+
+def describe(error: ValidationError) -> str:
+    """One line per problem: ``config field 'x' must be ..., got ...`` (a cross-field rule gives its own message)."""
+    lines = []
+    for item in error.errors(include_url=False):
+        field = ".".join(str(part) for part in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"unknown config field {field!r}")
+        elif item["type"] == "value_error" and not field:
+            lines.append(str(item["ctx"]["error"]) if "ctx" in item else item["msg"])
+        elif item["type"] == "value_error":
+            lines.append(f"config field {field!r}: {item['ctx']['error'] if 'ctx' in item else item['msg']}")
+        else:
+            lines.append(f"config field {field!r} must be {_expected(item)}, got {item['input']!r}")
+    return "; ".join(lines)
+
+
+class Config(BaseModel):
+    """Base of every run configuration (see the module docstring); values are checked when it is built."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+    def __init__(self, **values: Any):
+        try:
+            super().__init__(**values)
+        except ValidationError as error:
+            known = sorted(type(self).model_fields)
+            message = describe(error)
+            if "unknown config field" in message:
+                message += f"; known: {known}"
+            raise ConfigError(message) from None
+
+    def replace(self: C, **values: Any) -> C:
+        """A copy with ``values`` changed, checked like a new one."""
+        return type(self)(**{**self.model_dump(), **values})
+
+
+def _override(kind: type[Config], item: str) -> tuple[str, Any]:
+    name, sep, text = item.partition("=")
+    if not sep:
+        raise ConfigError(f"an override must read key=value, got {item!r}")
+    field = kind.model_fields.get(name)
+    if field is None:
+        raise ConfigError(f"unknown config field {name!r} in override {item!r}; known: {sorted(kind.model_fields)}")
+    adapter = TypeAdapter(field.annotation)
+    if text.lower() in ("none", "null"):
+        try:
+            return name, adapter.validate_python(None)
+        except ValidationError:
+            pass
+    try:
+        return name, adapter.validate_python(text, strict=False)
+    except ValidationError as error:
+        expected = _expected(error.errors(include_url=False)[0])
+        raise ConfigError(f"cannot read {text!r} as config field {name!r} ({expected})") from None
+
+
+def load_config(kind: type[C], path: str | Path | None = None, overrides: Iterable[str] = (), table: str | None = None,
+                **values: Any) -> C:
+    """A ``kind`` from the TOML file ``path`` (flat, or under ``[table]``), then ``key=value`` overrides, then values."""
+    merged: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as file:
+                data = tomllib.load(file)
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"{path} is not valid TOML: {error}") from None
+        if table is not None and isinstance(data.get(table), dict):
+            data = data[table]
+        unknown = sorted(set(data) - set(kind.model_fields))
+        if unknown:
+            raise ConfigError(f"{path}: unknown config field {unknown[0]!r}; known: {sorted(kind.model_fields)}")
+        merged.update(data)
+    merged.update(_override(kind, item) for item in overrides)
+    merged.update(values)
+    return kind(**merged)

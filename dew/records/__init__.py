@@ -1,0 +1,8 @@
+"""Records and packing: engine-sourced calls and sessions, the episode protocol, and ``pack``.
+
+``sessions`` (Call, Session, Status, Task, SessionSource), ``actions`` (the one validator
+of model actions), ``episodes`` (EpisodeId, Observation, Action, Transition, Episode,
+Environment), ``packing`` (pack, chain_lengths, rows_needed) and ``metrics``
+(session_metrics). Records import only pure math (:mod:`dew.losses`) and the validators;
+the spec reaches them as :mod:`dew.objectives.rl.sessions`.
+"""

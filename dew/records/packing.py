@@ -1,0 +1,271 @@
+"""``pack``: sessions into one fixed-shape training batch, and the sizes that go with it.
+
+``pack(sessions, width, rows=None, estimator="group", truncation="mask")`` merges each
+session's calls into chains (call k + 1 joins call k's chain only when its prompt starts
+with every id of the chain so far), places the chains first-fit into ``[rows, width]``
+rows with segment ids and positions, and aligns every column with ``input_ids`` (see
+its docstring). ``chain_lengths`` and ``rows_needed`` size a batch beforehand;
+``session_advantages`` gives the group-relative advantages pack writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dew.losses.advantages import group_advantages
+from dew.records.actions import check_call
+from dew.records.sessions import Call, Session, check_options, check_truncation, training_reward
+
+
+
+
+@dataclasses.dataclass
+class _Chain:
+    session: int
+    ids: list = dataclasses.field(default_factory=list)
+    response: list = dataclasses.field(default_factory=list)
+    behavior: list = dataclasses.field(default_factory=list)
+    old: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    calls: list = dataclasses.field(default_factory=list)
+    routed: list = dataclasses.field(default_factory=list)  # (call, record) in call order
+    support: list = dataclasses.field(default_factory=list)  # (chain position, kept ids)
+    has_old: bool = True
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def chains_of(session: Session, number: int) -> list[_Chain]:
+    """The session's calls as chains: call k + 1 joins when its prompt starts with the whole chain."""
+    chains: list[_Chain] = []
+    chain = None
+    for index, call in enumerate(session.calls):
+        where = f"{session.describe()}, call {index}"
+        if not isinstance(call, Call):
+            raise TypeError(f"{where}: expected a Call, got {type(call).__name__}")
+        check_call(where, call)
+        prompt = [int(i) for i in call.prompt_ids]
+        if chain is not None and len(prompt) >= len(chain) and prompt[: len(chain)] == chain.ids:
+            new = prompt[len(chain):]
+        else:
+            chain = _Chain(number)
+            chains.append(chain)
+            new = prompt
+        chain.ids += new
+        chain.response += [0] * len(new)
+        chain.behavior += [0.0] * len(new)
+        chain.old += [0.0] * len(new)
+        chain.versions += [-1] * len(new)
+        chain.calls += [-1] * len(new)
+        sampled = [int(i) for i in call.sampled_ids]
+        position = len(chain)
+        chain.ids += sampled
+        chain.response += [1] * len(sampled)
+        chain.behavior += [float(x) for x in call.behavior_log_probs]
+        if call.old_log_probs is None:
+            chain.has_old = False
+            chain.old += [0.0] * len(sampled)
+        else:
+            chain.old += [float(x) for x in call.old_log_probs]
+        chain.versions += [int(call.version)] * len(sampled)
+        chain.calls += [index] * len(sampled)
+        if call.routed_experts is not None:
+            chain.routed.append(np.asarray(call.routed_experts))
+        if call.support is not None:
+            for offset, kept in enumerate(call.support):
+                chain.support.append((position + offset, [int(i) for i in kept if int(i) >= 0]))
+    return [c for c in chains if any(c.response)]
+
+
+def _trained(sessions: Sequence[Session], truncation: str) -> list[tuple[int, Session, float]]:
+    trained = []
+    for number, session in enumerate(sessions):
+        reward = training_reward(session, truncation)
+        if reward is not None:
+            trained.append((number, session, reward))
+    return trained
+
+
+def chain_lengths(sessions: Sequence[Session], width: int, truncation: str = "mask") -> list[int]:
+    """The length of every chain ``pack`` would place, in order; raises if one exceeds ``width``."""
+    check_truncation(truncation)
+    lengths = []
+    for number, session, _ in _trained(sessions, truncation):
+        for chain in chains_of(session, number):
+            if len(chain) > width:
+                raise ValueError(
+                    f"{session.describe()} has a chain of {len(chain)} ids, longer than the row width {width}"
+                )
+            lengths.append(len(chain))
+    return lengths
+
+
+def _first_fit(lengths: Sequence[int], width: int) -> list[tuple[int, int]]:
+    """(row, offset) of each length, each placed in the first row with room."""
+    free: list[int] = []
+    places = []
+    for length in lengths:
+        for row, room in enumerate(free):
+            if room >= length:
+                places.append((row, width - room))
+                free[row] -= length
+                break
+        else:
+            places.append((len(free), 0))
+            free.append(width - length)
+    return places
+
+
+def rows_needed(lengths: Sequence[int], width: int) -> int:
+    """How many rows first-fit packing of ``lengths`` into rows of ``width`` fills."""
+    places = _first_fit(lengths, width)
+    return 1 + max((row for row, _ in places), default=-1)
+
+
+# ----- advantages -----------------------------------------------------------------------------
+
+
+def session_advantages(rewards: Sequence[float], keys: Sequence[Any], estimator: str) -> np.ndarray:
+    """Group-relative advantages of trained sessions, grouped by key (verl's outcome estimators)."""
+    if not rewards:
+        return np.zeros(0, np.float32)
+    index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    groups = np.array([index[key] for key in keys], np.int32)
+    return np.asarray(group_advantages(np.asarray(rewards, np.float32), groups, estimator), np.float32)
+
+
+# ----- pack -----------------------------------------------------------------------------------
+
+
+def pack(
+    sessions: Sequence[Session],
+    width: int,
+    rows: int | None = None,
+    estimator: str = "group",
+    truncation: str = "mask",
+    support_capacity: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Pack sessions into one ``[rows, width]`` training batch.
+
+    COMPLETED and AGENT_ERROR sessions train on their reward; INFRA_ERROR and CANCELLED
+    ones take no rows and no part in the baseline; ``truncation`` decides TRUNCATED ones
+    ("mask": like an infrastructure failure, "score": on their reward, "zero": on
+    reward 0). Advantages are group-relative over (task, group) with ``estimator``.
+
+    Each session's calls become chains (call k + 1 joins call k's chain only when its
+    prompt starts with every id of the chain so far, sampled ids included); chains are
+    placed first-fit, in order. ``rows=None`` uses as many rows as needed; a given
+    ``rows`` that is too few raises. Columns, all aligned with ``input_ids``:
+
+    - ``input_ids``, ``text_segment_ids`` (1, 2, ... per chain in its row, 0 padding),
+      ``text_positions`` (position within the chain): int32;
+    - ``response_mask``: 1 on sampled ids (EOS included), int32;
+    - ``behavior_log_probs``, and ``old_log_probs`` when every call recorded raw
+      log-probabilities: float32, 0 off sampled ids;
+    - ``versions``, ``session_index`` (the session's position in ``sessions``),
+      ``call_index``: int32 on sampled ids, -1 elsewhere;
+    - ``advantages``: the session's advantage across its whole chain, float32;
+    - ``session_weights``: 1 / (the session's sampled ids) on its sampled ids, so a
+      session mean is ``sum(loss * session_weights) / sessions``;
+    - with router records: ``routed_experts`` [rows, width, layers, top_k] in the
+      records' dtype and ``routed`` (bool, where a record covers the id);
+    - with supports: ``support_ids`` and ``support_columns`` [rows, support_capacity],
+      each row's kept ids back to back tagged with their sampled id's column, -1 padding.
+    """
+    check_options(estimator, truncation)
+    if isinstance(width, bool) or not isinstance(width, int) or width < 2:
+        raise ValueError(f"width must be an integer >= 2, got {width!r}")
+    trained = _trained(sessions, truncation)
+    advantages = session_advantages([r for _, _, r in trained], [s.key for _, s, _ in trained], estimator)
+    chains, chain_advantage = [], []
+    for (number, session, _), advantage in zip(trained, advantages, strict=True):
+        for chain in chains_of(session, number):
+            if len(chain) > width:
+                raise ValueError(
+                    f"{session.describe()} has a chain of {len(chain)} ids, longer than the row width {width}"
+                )
+            chains.append(chain)
+            chain_advantage.append(float(advantage))
+    places = _first_fit([len(c) for c in chains], width)
+    needed = 1 + max((row for row, _ in places), default=-1)
+    if rows is None:
+        rows = max(needed, 1)
+    elif isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be None or a positive integer, got {rows!r}")
+    elif needed > rows:
+        raise ValueError(f"the {len(chains)} chains need {needed} rows of width {width}; rows={rows} is too few")
+
+    shape = (rows, width)
+    batch = {
+        "input_ids": np.zeros(shape, np.int32),
+        "text_segment_ids": np.zeros(shape, np.int32),
+        "text_positions": np.zeros(shape, np.int32),
+        "response_mask": np.zeros(shape, np.int32),
+        "behavior_log_probs": np.zeros(shape, np.float32),
+        "versions": np.full(shape, -1, np.int32),
+        "session_index": np.full(shape, -1, np.int32),
+        "call_index": np.full(shape, -1, np.int32),
+        "advantages": np.zeros(shape, np.float32),
+        "session_weights": np.zeros(shape, np.float32),
+    }
+    if chains and all(c.has_old for c in chains):
+        batch["old_log_probs"] = np.zeros(shape, np.float32)
+    sampled_per_session: dict[int, int] = {}
+    for chain in chains:
+        sampled_per_session[chain.session] = sampled_per_session.get(chain.session, 0) + sum(chain.response)
+    segments_in_row = [0] * rows
+    routed = [(c, r) for c in chains for r in c.routed]
+    if routed:
+        layers_top_k = {r.shape[1:] for _, r in routed}
+        dtypes = {r.dtype for _, r in routed}
+        if len(layers_top_k) > 1 or len(dtypes) > 1:
+            raise ValueError(f"routed_experts records disagree: shapes {sorted(layers_top_k)}, dtypes {sorted(map(str, dtypes))}")
+        batch["routed_experts"] = np.zeros((*shape, *layers_top_k.pop()), dtypes.pop())
+        batch["routed"] = np.zeros(shape, bool)
+    supported = any(c.support for c in chains)
+    if supported:
+        if isinstance(support_capacity, bool) or not isinstance(support_capacity, int) or support_capacity < 1:
+            raise ValueError(
+                "calls recorded a support, so support_capacity must be a positive integer "
+                f"(top-k times the sampled ids a row holds), got {support_capacity!r}"
+            )
+        batch["support_ids"] = np.full((rows, support_capacity), -1, np.int32)
+        batch["support_columns"] = np.full((rows, support_capacity), -1, np.int32)
+        support_used = [0] * rows
+
+    for chain, advantage, (row, offset) in zip(chains, chain_advantage, places, strict=True):
+        span = slice(offset, offset + len(chain))
+        segments_in_row[row] += 1
+        response = np.asarray(chain.response, np.int32)
+        batch["input_ids"][row, span] = chain.ids
+        batch["text_segment_ids"][row, span] = segments_in_row[row]
+        batch["text_positions"][row, span] = np.arange(len(chain))
+        batch["response_mask"][row, span] = response
+        batch["behavior_log_probs"][row, span] = chain.behavior
+        if "old_log_probs" in batch:
+            batch["old_log_probs"][row, span] = chain.old
+        batch["versions"][row, span] = chain.versions
+        batch["call_index"][row, span] = chain.calls
+        batch["session_index"][row, span] = np.where(response == 1, chain.session, -1)
+        batch["advantages"][row, span] = advantage
+        batch["session_weights"][row, span] = response / sampled_per_session[chain.session]
+        for record in chain.routed:  # later calls' records cover the shared prefix again; the latest wins
+            covered = min(len(record), len(chain))
+            batch["routed_experts"][row, offset : offset + covered] = record[:covered]
+            batch["routed"][row, offset : offset + covered] = True
+        for position, kept in chain.support:
+            used = support_used[row]
+            if used + len(kept) > support_capacity:
+                raise ValueError(
+                    f"row {row} needs more than support_capacity={support_capacity} support entries "
+                    f"(at chain position {position} of {sessions[chain.session].describe()})"
+                )
+            batch["support_ids"][row, used : used + len(kept)] = kept
+            batch["support_columns"][row, used : used + len(kept)] = offset + position
+            support_used[row] = used + len(kept)
+    return batch

@@ -1,0 +1,56 @@
+"""The RLVR pipeline's options: the built-in run's (:class:`dew.recipes.rlvr.RLVRConfig`) plus the Ray roles.
+
+Read with :func:`load_config` (a TOML file, flat or under ``[rlvr]``, then ``--set
+key=value`` overrides), the loader every pipeline shares (:mod:`dew.config`); a bad value
+raises naming the field, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from dew.config import load_config as load_any
+from dew.recipes.rlvr import RLVRConfig
+
+
+class RLVRPipelineConfig(RLVRConfig):
+    """Options of one pipeline run: the built-in run's, and
+
+    run_dir: the run directory (relative paths resolve against the driver's working
+    directory on a local cluster; a submitted job needs an absolute path every node
+    reaches); trainers, servers, sandbox_runners: actors of each role; trainer_cpus,
+    server_cpus, sandbox_cpus: Ray CPUs reserved per actor; prompts: a verl-style
+    Parquet/JSONL file instead of the built-in tasks; checkpoint_every: updates between
+    checkpoints. ``sandbox_workers`` is per runner and ``slots`` per server.
+    """
+
+    run_dir: str = "runs/rlvr"
+    trainers: int = Field(1, ge=1)
+    servers: int = Field(1, ge=1)
+    sandbox_runners: int = Field(1, ge=1)
+    trainer_cpus: float = Field(1.0, gt=0)
+    server_cpus: float = Field(1.0, gt=0)
+    sandbox_cpus: float = Field(0.25, gt=0)
+    prompts: str | None = None
+    checkpoint_every: int = Field(5, ge=1)
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tasks_per_step % self.trainers:
+            raise ValueError(f"config field 'tasks_per_step' ({self.tasks_per_step}) must divide evenly over "
+                             f"trainers={self.trainers}: each trainer process trains on its own share of the tasks")
+        if self.prompts is not None and not Path(self.prompts).is_file():
+            raise ValueError(f"config field 'prompts' names {self.prompts!r}, which is not a file")
+        return self
+
+    def cpu_demand(self) -> dict[str, float]:
+        """Ray CPUs each role reserves at once (the warm start runs before the trainers, on their share)."""
+        return {"trainers": self.trainers * self.trainer_cpus, "rollout servers": self.servers * self.server_cpus,
+                "sandbox runners": self.sandbox_runners * self.sandbox_cpus}
+
+
+def load_config(path: str | Path | None = None, overrides=(), **values) -> RLVRPipelineConfig:
+    """A pipeline config from a TOML file (flat keys, or under ``[rlvr]``), then ``key=value`` overrides, then values."""
+    return load_any(RLVRPipelineConfig, path, overrides, table="rlvr", **values)

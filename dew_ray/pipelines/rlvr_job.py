@@ -1,0 +1,119 @@
+"""What the RLVR pipeline runs inside its actors: the warm-start task and each trainer process's GRPO job.
+
+The driver works out a :class:`Setup` once (config, row width, prompt length, prompt rows)
+and every trainer process builds its job from it (:func:`trainer_job`), the same GRPO job
+the one-process example trains (:func:`dew.recipes.rlvr.grpo_job`), here over a
+:class:`~dew_ray.actors.ServerPool` of the rollout-server actors, scored by the built-in
+rewards with code on the sandbox-runner actors (:class:`~dew_ray.actors.RemoteFleet`).
+Prompts are the built-in verifiable tasks, or verl-style rows from ``prompts`` (rows of
+the code data source run in the sandbox; every other data source is scored as math).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import pyarrow.parquet as pq
+
+from dew.data import Loading
+from dew.data.verifiable import MATH_SOURCE, task_rows, task_tokenizer
+from dew.recipes.rewards import RoutedReward, verifiable_reward
+from dew.recipes.rlvr import decoder, grpo_job, warm_start
+from dew_ray.actors import RemoteFleet, RemoteRolloutServer, ServerPool, TrainJob
+from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
+
+
+@dataclasses.dataclass
+class Setup:
+    """What the driver works out once and every trainer process rebuilds its job from."""
+
+    config: RLVRPipelineConfig
+    run_dir: str  # absolute: every actor writes where the driver resolved it
+    width: int
+    prompt_len: int
+    rows: list[dict]
+
+
+def prompt_rows(config: RLVRPipelineConfig, train) -> list[dict]:
+    """The training prompts: the built-in tasks' rows, or the verl-style rows of ``config.prompts``."""
+    if config.prompts is None:
+        return task_rows(train)
+    path = Path(config.prompts)
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        rows = pq.read_table(path).to_pylist()
+    for index, row in enumerate(rows):
+        for name in ("data_source", "prompt"):
+            if name not in row:
+                raise ValueError(f"{path}: row {index} has no {name!r} field")
+        if "ground_truth" not in (row.get("reward_model") or {}):
+            raise ValueError(f"{path}: row {index} has no reward_model.ground_truth")
+    return rows
+
+
+def pipeline_reward(fleet) -> RoutedReward:
+    """The built-in routes; any other data source is scored as math against its ground truth."""
+    return verifiable_reward(fleet, default=MATH_SOURCE)
+
+
+class CountingFleet:
+    """A fleet that tallies the verdicts of the programs it ran (for the dashboard)."""
+
+    def __init__(self, fleet):
+        self.fleet = fleet
+        self.verdicts: dict[str, int] = {}
+
+    def map(self, programs):
+        outcomes = self.fleet.map(programs)
+        for outcome in outcomes:
+            self.verdicts[outcome.verdict.name] = self.verdicts.get(outcome.verdict.name, 0) + 1
+        return outcomes
+
+    def drain(self) -> dict[str, int]:
+        counts, self.verdicts = self.verdicts, {}
+        return counts
+
+
+def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
+    """The GRPO job of one trainer process (runs inside a TrainerActor)."""
+    config = setup.config
+    tokenizer = task_tokenizer()
+    model = decoder(len(tokenizer), max_seq_len=setup.width)
+    pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers])
+    fleet = CountingFleet(RemoteFleet(runners, workers=config.sandbox_workers))
+    job = grpo_job(config.replace(progress=False), model, params, tokenizer, setup.rows, setup.prompt_len, pool,
+                   pipeline_reward(fleet), loading=Loading(seed=config.seed),
+                   score_workers=max(2, config.sandbox_workers * len(runners)),
+                   output_dir=str(Path(setup.run_dir) / "grpo"))
+
+    def report() -> dict:
+        out = {"verdicts": fleet.drain(), "tasks": job.tasks[-1] if job.tasks else []}
+        if job.records:
+            record = job.records[-1]
+            out["scheduler"] = {
+                "version": record.version, "oldest_version": record.oldest_version, "lag": record.lag,
+                "admitted_groups": record.admitted_groups, "resubmissions": record.resubmissions,
+                "cancellations": record.cancellations, "abandoned_groups": record.abandoned_groups,
+                "cut_groups": record.cut_groups, "waited": record.waited, "pushed": record.pushed,
+                **{f"rollout/{k}": v for k, v in record.metrics.items()},
+            }
+        job.records.clear()
+        return out
+
+    def close():
+        job.close()
+        pool.close()
+
+    return TrainJob(job.trainer, job.data, close=close, report=report)
+
+
+def warm_start_task(config: RLVRPipelineConfig, width: int, train):
+    """The SFT warm start, run as a Ray task on the trainer's share of the CPUs before the trainers start."""
+    tokenizer = task_tokenizer()
+    model = decoder(len(tokenizer), max_seq_len=width)
+    return warm_start(model, tokenizer, train, width, config.sft_steps, config.sft_batch, config.sft_learning_rate,
+                      key=jax.random.fold_in(jax.random.key(config.seed), 1), seed=config.seed, progress=False)
