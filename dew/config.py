@@ -34,21 +34,25 @@ class ConfigError(ValueError):
     """A configuration value that does not fit its field; the message names the field."""
 
 
-def _expected(error: Mapping[str, Any]) -> str:
+def _expected(error: Mapping[str, Any], annotation: Any = None) -> str:
     kind, ctx = error["type"], error.get("ctx") or {}
     if kind in _BOUNDS:
         bound = next(iter(ctx.values()))
-        return f"{'an integer' if isinstance(bound, int) else 'a number'} {_BOUNDS[kind]} {bound}"
+        return f"{'an integer' if annotation is int else 'a number'} {_BOUNDS[kind]} {bound:g}"
     if kind == "literal_error":
         return f"one of {ctx.get('expected')}"
     return _EXPECTED.get(kind, error["msg"].removeprefix("Input should be ").lower())
 
 
-def describe(error: ValidationError) -> str:
-    """One line per problem: ``config field 'x' must be ..., got ...`` (a cross-field rule gives its own message)."""
+def describe(error: ValidationError, kind: type[BaseModel] | None = None) -> str:
+    """One line per problem: ``config field 'x' must be ..., got ...`` (a cross-field rule gives its own message).
+
+    ``kind`` is the model, whose field types say whether a bound is on an integer or a number.
+    """
     lines = []
     for item in error.errors(include_url=False):
         field = ".".join(str(part) for part in item["loc"])
+        known = kind.model_fields.get(str(item["loc"][0])) if kind is not None and item["loc"] else None
         if item["type"] == "extra_forbidden":
             lines.append(f"unknown config field {field!r}")
         elif item["type"] == "value_error" and not field:
@@ -56,7 +60,8 @@ def describe(error: ValidationError) -> str:
         elif item["type"] == "value_error":
             lines.append(f"config field {field!r}: {item['ctx']['error'] if 'ctx' in item else item['msg']}")
         else:
-            lines.append(f"config field {field!r} must be {_expected(item)}, got {item['input']!r}")
+            expected = _expected(item, None if known is None else known.annotation)
+            lines.append(f"config field {field!r} must be {expected}, got {item['input']!r}")
     return "; ".join(lines)
 
 
@@ -70,7 +75,7 @@ class Config(BaseModel):
             super().__init__(**values)
         except ValidationError as error:
             known = sorted(type(self).model_fields)
-            message = describe(error)
+            message = describe(error, type(self))
             if "unknown config field" in message:
                 message += f"; known: {known}"
             raise ConfigError(message) from None
@@ -96,7 +101,7 @@ def _override(kind: type[Config], item: str) -> tuple[str, Any]:
     try:
         return name, adapter.validate_python(text, strict=False)
     except ValidationError as error:
-        expected = _expected(error.errors(include_url=False)[0])
+        expected = _expected(error.errors(include_url=False)[0], field.annotation)
         raise ConfigError(f"cannot read {text!r} as config field {name!r} ({expected})") from None
 
 

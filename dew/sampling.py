@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dew.validation import integer, number, positive_int
+
 NEG_INF = -jnp.inf
 
 
@@ -37,17 +39,15 @@ class Sampling:
     min_p: float | None = None
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be None or a positive integer, got {self.top_k!r}")
+        number("temperature", self.temperature, at_least=0)
+        if self.top_k is not None:
+            positive_int("top_k", self.top_k, why="or None")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}")
         if self.min_p is not None and not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be None or in [0, 1), got {self.min_p!r}")
         for eos in self.eos_ids:
-            if isinstance(eos, bool) or not isinstance(eos, int) or eos < 0:
-                raise ValueError(f"eos_id must be None, a non-negative int or a tuple of them, got {self.eos_id!r}")
+            integer("eos_id", eos, at_least=0, why="None, one id or a tuple of them")
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

@@ -51,6 +51,7 @@ from dew.sharding import (
     shard_batch,
 )
 from dew.tracking import Tracker
+from dew.validation import positive_int
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,7 @@ class Trainer:
         devices=None,
         progress: bool = True,
     ):
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}")
+        positive_int("accumulate", accumulate)
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
         if checkpoint_every is not None and output_dir is None:
@@ -322,8 +322,7 @@ class Trainer:
         if not isinstance(data, Dataset):
             raise TypeError(f"fit needs a dew.Dataset, got {type(data).__name__}")
         for name, value in (("steps", steps), ("log_every", log_every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(f"{name}", value)
         if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
             raise ValueError(f"eval_every must be a positive integer or None, got {eval_every!r}")
         partition = local_partition()

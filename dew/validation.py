@@ -21,7 +21,8 @@ def _fail(name: str, rule: str, value: Any, why: str) -> ValueError:
 
 def integer(name: str, value: Any, at_least: int | None = None, why: str = "") -> int:
     """``value`` as an int: an integer (numpy's too, never a bool), at least ``at_least`` when given."""
-    rule = "an integer" if at_least is None else ("a positive integer" if at_least == 1 else f"an integer >= {at_least}")
+    rules = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}
+    rule = rules.get(at_least, f"an integer >= {at_least}")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (at_least is not None and value < at_least):
         raise _fail(name, rule, value, why)
     return int(value)

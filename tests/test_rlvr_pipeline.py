@@ -7,13 +7,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from safetensors.numpy import load_file
 
 ray = pytest.importorskip("ray")
 
@@ -146,82 +147,113 @@ def test_cluster_configs_are_valid_for_ray_and_kuberay():
     assert yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]["RAY_AUTH_MODE"] == "disabled"
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_ray_job_submit_runs_the_pipeline_on_a_head_this_test_starts(tmp_path):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    port, dashboard = free_port(), free_port()
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    # --block keeps the head's processes in this session, so the test stops exactly the head it started
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard}",
-                             "--num-cpus=3", "--include-dashboard=true", f"--temp-dir={temp}"], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert head.poll() is None, head.stdout.read().decode()[-3000:]
+def readme_submit_lines() -> list[str]:
+    """The README's ``ray job submit`` block, continuation lines joined, without its last line (``ray stop`` ends
+    every Ray process on the machine; the test stops the head it started by its temporary directory)."""
+    text = (ROOT / "README.md").read_text()
+    block = next(b for b in text.split("```bash\n")[1:] if "ray job submit" in b.split("```")[0]).split("```")[0]
+    lines = block.replace("\\\n", " ").strip().splitlines()
+    assert "ray stop" in lines[-1] and "ray start --head" in lines[0] and "ray job submit" in lines[1], lines
+    return lines[:-1]
+
+
+def stop_head(temp_dir: str) -> None:
+    """SIGTERM, then SIGKILL, every process of the Ray head whose temporary directory is ``temp_dir``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{dashboard}/api/version", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the head's dashboard never answered"
-                time.sleep(1)
-        run_dir = tmp_path / "submitted"
-        args = [f"--set={item}" for item in TINY] + [f"--set=run_dir={run_dir}"]
-        submitted = subprocess.run(
-            [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", ".", "--",
-             sys.executable, "-m", "dew_ray.pipelines.rlvr", *args],
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
-        )
-        assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
-        assert "succeeded" in submitted.stdout.lower() and "held-out reward" in submitted.stdout
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["steps"] == 3 and (run_dir / "policy" / "model.safetensors").exists()
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(60)
-        finally:
-            try:
-                os.killpg(head.pid, signal.SIGKILL)  # anything the head left behind
-            except ProcessLookupError:
+                if temp_dir in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    os.kill(int(entry.name), sig)
+            except (OSError, ProcessLookupError):
                 pass
-            shutil.rmtree(temp, ignore_errors=True)
+        time.sleep(3)
 
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_killed_driver_resumes_with_no_batch_lost_or_trained_twice(tmp_path):
-    """Kills the driver process (SIGKILL, with its local Ray cluster) after its second update; reruns it on the
-    same run directory and checks the metrics: updates 1..5 once each, each on its own batch of the stream."""
+def test_the_readme_job_submit_lines_work_as_written_on_this_machine():
+    """Runs the README's ``ray start`` and ``ray job submit`` lines exactly (from the checkout, through ``uv run``)
+    and reads the outputs where the README says they are; then a relative run_dir under a submitted job is refused
+    before any work starts, with the advice the README gives."""
+    lines = readme_submit_lines()
+    temp_dir = lines[0].split("--temp-dir")[1].split()[0]
+    outputs = ROOT / "runs" / "jobsub"
+    shutil.rmtree(outputs, ignore_errors=True)
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "VIRTUAL_ENV")}
+    try:
+        ran = subprocess.run(["bash", "-ec", "\n".join(lines)], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+        assert "succeeded" in ran.stdout.lower() and "held-out reward" in ran.stdout
+        assert f"run directory {outputs}" in ran.stdout and "sandbox for code tasks: bubblewrap" in ran.stdout
+        summary = json.loads((outputs / "summary.json").read_text())
+        assert summary["steps"] == 6 and summary["run_dir"] == str(outputs)
+        assert (outputs / "policy" / "model.safetensors").exists() and (outputs / "rlvr.png").exists()
+        steps = [json.loads(line)["step"] for line in (outputs / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2, 3, 4, 5, 6]
+        relative = lines[1].replace("run_dir=$PWD/runs/jobsub", "run_dir=runs/jobsub-relative")
+        refused = subprocess.run(["bash", "-c", relative], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=600)
+        said = refused.stdout + refused.stderr
+        assert refused.returncode != 0
+        assert "'run_dir' is relative ('runs/jobsub-relative') and this driver runs as a submitted Ray job" in said
+        assert "--set run_dir=$PWD/runs/jobsub-relative" in said
+    finally:
+        stop_head(temp_dir)
+        shutil.rmtree(outputs, ignore_errors=True)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_main_job_resumes_from_its_checkpoint():
+    """``dew-ray rlvr`` on a relative run directory, as a user runs it: SIGKILL of the driver and its local cluster
+    after update 3 with a checkpoint at update 2, then the same command again. The rerun starts at update 3 (the
+    checkpoint's + 1), keeps rows 1 and 2 as they were, trains each update once, and ends on the parameters of an
+    uninterrupted run (synchronous schedule: every batch drawn under one version, so both runs draw alike)."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", "dew_ray.pipelines.rlvr", *[f"--set={item}" for item in TINY], "--set=steps=5"]
-    run_dir = tmp_path / "run"
-    driver = subprocess.Popen([*command, f"--set=run_dir={run_dir}"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, start_new_session=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and driver.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.2)
-    os.killpg(driver.pid, signal.SIGKILL)  # the driver and everything it started
-    driver.wait(60)
-    killed_at = len(metrics.read_text().splitlines())
-    assert 2 <= killed_at < 5, driver.stdout.read().decode()[-3000:]
+    name = f"kill-test-{os.getpid()}"
+    options = [*TINY, "steps=5", "checkpoint_every=2", "max_lag=0", "ahead=0"]
+    command = [str(Path(sys.executable).parent / "dew-ray"), "rlvr", *[f"--set={item}" for item in options]]
+    killed, uninterrupted = ROOT / "runs" / name, ROOT / "runs" / f"{name}-whole"
+    try:
+        driver = subprocess.Popen([*command, f"--run-dir=runs/{name}"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        metrics = killed / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and driver.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and everything it started
+        driver.wait(60)
+        before = [json.loads(line) for line in metrics.read_text().splitlines()]
+        checkpoints = sorted(int(p.name) for p in (killed / "grpo").iterdir() if p.name.isdigit())
+        assert len(before) >= 3 and checkpoints and checkpoints[-1] == 2, (
+            len(before), checkpoints, driver.stdout.read().decode()[-3000:])
 
-    resumed = subprocess.run([*command, f"--set=run_dir={run_dir}"], env=env, cwd=ROOT, capture_output=True,
-                             text=True, timeout=900)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed" in resumed.stdout
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+        resumed = subprocess.run([*command, f"--run-dir=runs/{name}"], env=env, cwd=ROOT, capture_output=True,
+                                 text=True, timeout=900)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert f"resumed {killed} at update 2" in resumed.stdout
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]  # every update once
+        assert rows[:2] == before[:2]  # the rows up to the checkpoint, unchanged; update 3 was trained again
+        tasks = [task for row in rows for task in row["tasks"]]
+        assert len(tasks) == 10 and len(set(tasks)) == 10  # every batch of the one epoch-ordered stream, once each
 
-    tasks = [task for row in rows for task in row["tasks"]]
-    assert len(tasks) == 10 and len(set(tasks)) == 10  # every batch of the one epoch-ordered stream, once each
+        whole = subprocess.run([*command, f"--run-dir=runs/{name}-whole"], env=env, cwd=ROOT, capture_output=True,
+                               text=True, timeout=900)
+        assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+        got, want = (load_file(run / "policy" / "model.safetensors") for run in (killed, uninterrupted))
+        assert sorted(got) == sorted(want)
+        for tensor in want:
+            np.testing.assert_array_equal(got[tensor], want[tensor], err_msg=tensor)
+    finally:
+        shutil.rmtree(killed, ignore_errors=True)
+        shutil.rmtree(uninterrupted, ignore_errors=True)
 
 
 def test_prompt_files_in_verl_rows_are_read_and_checked(tmp_path):

@@ -1,8 +1,10 @@
 """PromptSource and EnvironmentSource on a real NativeRolloutServer over a tiny decoder."""
 
 import math
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from dew.objectives.rl import EnvironmentSource, PromptSource
 from dew.records.episodes import Environment, EpisodeId, EpisodeStatus, Observation
 from dew.objectives.rl.sessions import Status, Task, chain_lengths, pack
 from dew.sampling import Sampling
+from dew.sandbox import SandboxLimits, SubprocessEnvironment
 
 EOS = tuple(range(16))  # half the vocabulary ends a draw, so most draws stop within a few ids
 TOOL_ID = 30  # what the counting tool appends after each turn
@@ -287,3 +290,29 @@ def test_environment_source_cancel_releases_the_environment(long_server, eos_ser
         env.gate.set()
         session = future.result(timeout=60)
     assert session.status is Status.CANCELLED and len(session.calls) == 1 and env.released
+
+
+def test_a_subprocess_environment_serves_environment_source_sessions(eos_server):
+    """SubprocessEnvironment.for_task is EnvironmentSource's environment(task, identity): each session a real
+    worker process (tests/workers/square_worker.py) reset with the session's identity, stepped with its draw."""
+    worker = str(Path(__file__).resolve().parent / "workers" / "square_worker.py")
+    factory = SubprocessEnvironment([sys.executable, worker, "--turns", "1"], SandboxLimits(wall_seconds=60))
+    verified = []
+
+    def verifier(task, episode):
+        verified.append(episode)
+        return 1.0 if episode.status is EpisodeStatus.COMPLETED else 0.0
+
+    with EnvironmentSource(eos_server, factory.for_task, verifier, max_prompt_tokens=40, max_new_tokens=4,
+                           max_turns=2, workers=2, eos_ids=EOS) as environments:
+        sessions = [f.result(timeout=120) for f in environments.submit(Task("5", {}), group=3, samples=4)]
+    assert {s.status for s in sessions} <= {Status.COMPLETED, Status.TRUNCATED}
+    assert all(s.calls[0].prompt_ids == [1, 15] for s in sessions)  # the worker's reset context for task 5
+    completed = [s for s in sessions if s.status is Status.COMPLETED]
+    assert completed and all(s.reward == 1.0 and len(s.calls) == 1 for s in completed)
+    resets = sorted(episode.reset.detail for episode in verified)
+    assert resets[0].startswith("task=5 step=3 sample=")  # the identity reached the worker's reset request
+    for episode in verified:
+        if episode.status is EpisodeStatus.COMPLETED:  # the worker saw the sampled ids and the EOS flag
+            action = episode.transitions[-1].action
+            assert episode.detail == f"answer {action.tokens[0]} eos=True"

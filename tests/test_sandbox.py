@@ -298,14 +298,14 @@ def test_action_validation():
         Action((1,), (5,), eos=1, policy_step=0)
     with pytest.raises(ValueError, match="Action.tokens is empty"):
         Action((1,), (), eos=True, policy_step=0)
-    with pytest.raises(ValueError, match="Action.policy_step must be an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match="Action.policy_step must be a non-negative integer, got -1"):
         Action((1,), (5,), eos=False, policy_step=-1)
 
 
 def test_episode_and_id_validation():
-    with pytest.raises(ValueError, match="EpisodeId.sample must be an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match="EpisodeId.sample must be a non-negative integer, got -1"):
         EpisodeId(task=0, step=0, sample=-1, seed=0)
-    with pytest.raises(ValueError, match="EpisodeId.task must be an integer >= 0, got True"):
+    with pytest.raises(ValueError, match="EpisodeId.task must be a non-negative integer, got True"):
         EpisodeId(task=True, step=0, sample=0, seed=0)
     assert EpisodeId(0, 0, 0, seed=-7).seed == -7
     reset = Observation((BOS, 13), detail="start")

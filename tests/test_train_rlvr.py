@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import math
-import shutil
 import sys
 
 import numpy as np

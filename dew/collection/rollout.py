@@ -27,7 +27,7 @@ pool as each finishes, see :class:`~dew.collection.sources.PromptSource`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import numpy as np

@@ -5,17 +5,11 @@
 ``Trainer(..., rollout=scheduler)``: each task of a data batch becomes one group of G
 rollouts, and the scheduler returns the group-relative ``[N, W]`` GRPO batch.
 
-Reading ahead. The Trainer does not prefetch: it reads batch i, then steps on it. So
-the stream ``scheduler.tasks(dataset)`` returns reads up to ``ahead`` batches beyond the
-one it hands over, registers each with the scheduler as it reads it, and hands them back
-in order. When the trainer passes batch i to the scheduler, batches i + 1 .. i + ahead
-are submitted under the version the weights serve at that moment. The checkpointed data
-position stays the trainer's: when the wrapped stream reports positions
-(:class:`~dew.data.dataset.StreamPosition`), the wrapper reports the position of the
-next batch it will *hand over*, not of the next it will read; otherwise the trainer
-resumes by skipping batches, which is exact for deterministic streams. Opening the
-stream again (a restart) cancels whatever the previous stream left in flight. A resumed
-run resubmits the batches it re-reads.
+Reading ahead (:mod:`dew.collection.streams`): when the trainer passes batch i to the
+scheduler, batches i + 1 .. i + ahead, which the wrapped stream already read and
+registered, are submitted under the version the weights serve at that moment. The
+checkpointed data position stays the trainer's; reopening the stream cancels what the old
+one left in flight, and a resumed run resubmits the batches it re-reads.
 
 Admission by status (``truncation`` is pack's option):
 
@@ -44,7 +38,8 @@ it shards any batch), so no rollout crosses a process. The calls meet at the wei
 (``push="one"``: process 0 loads ``weights``, which serves every process's source;
 ``push="each"``: every process loads its own), the admission and the proximal rescoring:
 :mod:`dew.collection.agreement` says how. Construction makes no collective call; a
-source that never resolves still blocks every process (use ``timeout``). Each process logs its own :class:`SchedulerRecord`.
+source that never resolves still blocks every process (use ``timeout``). Each process
+logs its own :class:`SchedulerRecord`.
 """
 
 from __future__ import annotations
@@ -62,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.collection.agreement import RESCORED, ProcessAgreement
+from dew.collection.bookkeeping import Admitted, BatchEntry, GroupEntry, SchedulerRecord, Slot
 from dew.collection.streams import AheadStream, PositionedStream
 from dew.collection.tasks import infer_tasks
 from dew.data.dataset import Batch, Dataset, StreamPosition
@@ -69,88 +65,13 @@ from dew.inference.publisher import WeightPublisher
 from dew.losses.advantages import ESTIMATORS
 from dew.records.metrics import session_metrics
 from dew.records.packing import chain_lengths, pack, rows_needed
-from dew.records.sessions import TRUNCATIONS, Session, SessionSource, Status, Task
+from dew.records.sessions import TRUNCATIONS, SessionSource, Status, Task
 from dew.validation import integer, one_of, positive, positive_int
 
 logger = logging.getLogger(__name__)
 
 _POLL = 0.05  # seconds between checks of timeouts while waiting on rollouts
 PUSHES = ("one", "each")
-
-
-# ----- the record ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class SchedulerRecord:
-    """What one scheduler call did (see the module docstring).
-
-    version: the trainer's version; oldest_version and lag: of the oldest call among
-    admitted rollouts (None without any); resubmissions: count by cause ("infra_error",
-    "cancelled", "unscored_truncation", "stale", "stale_running", "timeout");
-    cancellations: futures cancelled (timeouts, staleness, oversample extras, admit,
-    abandonment); waited: seconds spent waiting on rollouts; pushed: whether this call
-    pushed weights; metrics: ``session_metrics`` over the admitted rollouts and their batch.
-    """
-
-    version: int
-    oldest_version: int | None
-    lag: int | None
-    admitted_groups: int
-    resubmissions: dict[str, int]
-    cancellations: int
-    abandoned_groups: int
-    cut_groups: int
-    waited: float
-    pushed: bool
-    metrics: dict[str, float]
-
-
-# ----- bookkeeping -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Slot:
-    """One sample of a group: its live future, when and under which version it went out, its failures."""
-
-    sample: int
-    future: Future | None = None
-    submitted: float = 0.0
-    version: int = 0
-    attempt: int = 0  # submissions so far minus one
-    failures: int = 0
-
-
-@dataclasses.dataclass
-class _Group:
-    task: Task
-    group: int
-    slots: list[_Slot]
-    admitted: list[tuple[Session, float]] = dataclasses.field(default_factory=list)
-    state: str = "running"  # running, complete, abandoned, dropped
-
-
-@dataclasses.dataclass
-class _Batch:
-    data: Batch
-    tasks: list[Task]
-    groups: list[_Group] = dataclasses.field(default_factory=list)
-    submitted: bool = False
-
-
-@dataclasses.dataclass
-class _Admitted:
-    """One process's share of a call: its packed batch (None without sessions) and what the record needs."""
-
-    out: Batch | None
-    sessions: list[Session]
-    metrics: dict[str, float]
-    groups: int
-    cut: int
-    abandoned: int
-    causes: collections.Counter
-    cancellations: int
-    waited: float
 
 
 class RolloutScheduler:
@@ -230,7 +151,7 @@ class RolloutScheduler:
         self._rescore = jax.jit(objective.packed_log_probs)
         options = {"rows": rows, "width": width, "sync_every": sync_every, "push": push}
         self._agreement = ProcessAgreement(weights, push, options) if jax.process_count() > 1 else None
-        self._queue: collections.deque[_Batch] = collections.deque()  # registered, not yet trained on
+        self._queue: collections.deque[BatchEntry] = collections.deque()  # registered, not yet trained on
         self._next_group = 0
         self._finished: dict[Future, float] = {}
 
@@ -251,7 +172,7 @@ class RolloutScheduler:
 
     def register(self, batch: Batch) -> None:
         """Queue a data batch that the trainer will hand over later (the stream calls this)."""
-        self._queue.append(_Batch(batch, list(self.converter(batch))))
+        self._queue.append(BatchEntry(batch, list(self.converter(batch))))
 
     def reset(self) -> None:
         for entry in self._queue:
@@ -270,18 +191,18 @@ class RolloutScheduler:
             future.cancel()
         return True
 
-    def _cancel_batch(self, entry: _Batch) -> int:
+    def _cancel_batch(self, entry: BatchEntry) -> int:
         return sum(self._close_group(group) for group in entry.groups)
 
     def _watch(self, future: Future) -> Future:
         future.add_done_callback(lambda f: self._finished.setdefault(f, time.monotonic()))
         return future
 
-    def _submit_batch(self, entry: _Batch) -> None:
+    def _submit_batch(self, entry: BatchEntry) -> None:
         version = self.served_version
         try:
             for task in entry.tasks:
-                group = _Group(task, self._next_group, [_Slot(s) for s in range(self.groups + self.oversample)])
+                group = GroupEntry(task, self._next_group, [Slot(s) for s in range(self.groups + self.oversample)])
                 self._next_group += 1
                 entry.groups.append(group)
                 futures = self.source.submit(task, group.group, len(group.slots))
@@ -293,7 +214,7 @@ class RolloutScheduler:
         finally:
             entry.submitted = True
 
-    def _resubmit(self, group: _Group, slot: _Slot) -> None:
+    def _resubmit(self, group: GroupEntry, slot: Slot) -> None:
         futures = self.source.submit(group.task, group.group, 1)
         if len(futures) != 1:
             raise ValueError(f"the source returned {len(futures)} futures for 1 sample")
@@ -367,7 +288,7 @@ class RolloutScheduler:
             self.log(record)
         return out
 
-    def _admit(self, batch: Batch, version: int) -> _Admitted:
+    def _admit(self, batch: Batch, version: int) -> Admitted:
         """Submit what is due, collect ``batch``'s groups and pack them: what one process does alone."""
         causes: collections.Counter = collections.Counter()
         stats = {"cancellations": 0}
@@ -384,25 +305,29 @@ class RolloutScheduler:
         except BaseException:
             self._cancel_batch(entry)
             raise
-        sessions = [s for group in admitted for s, _ in group.admitted]
-        latencies = [latency for group in admitted for _, latency in group.admitted]
+        # Packed in (group, sample) order, not in the order rollouts finished: the same admitted sessions always
+        # make the same batch, so a resumed run trains what an uninterrupted one would.
+        ordered = [item for group in sorted(admitted, key=lambda g: g.group)
+                   for item in sorted(group.admitted, key=lambda item: item[0].sample)]
+        sessions = [s for s, _ in ordered]
+        latencies = [latency for _, latency in ordered]
         out, metrics = None, {}
         if sessions:
             out = pack(sessions, self.width, rows=self.rows, estimator=self.estimator, truncation=self.truncation,
                        support_capacity=self.support_capacity)
             metrics = session_metrics(sessions, out, latencies, version=version, truncation=self.truncation)
-        return _Admitted(out=out, sessions=sessions, metrics=metrics, groups=len(admitted), cut=cut,
+        return Admitted(out=out, sessions=sessions, metrics=metrics, groups=len(admitted), cut=cut,
                          abandoned=sum(g.state == "abandoned" for g in entry.groups), causes=causes,
                          cancellations=stats["cancellations"], waited=waited)
 
-    def _take(self, batch: Batch) -> _Batch:
+    def _take(self, batch: Batch) -> BatchEntry:
         """The registered entry of ``batch``; entries before it (skipped on resume) are dropped."""
         for index, entry in enumerate(self._queue):
             if entry.data is batch:
                 for _ in range(index):
                     self._cancel_batch(self._queue.popleft())
                 return self._queue.popleft()
-        return _Batch(batch, list(self.converter(batch)))  # not read through scheduler.tasks: nothing ahead
+        return BatchEntry(batch, list(self.converter(batch)))  # not read through scheduler.tasks: nothing ahead
 
     def _proximal(self, variables, batch: Batch) -> np.ndarray:
         """old_log_probs of this process's rows under ``variables``: [rows, width] float32, 0 off sampled ids.
@@ -417,13 +342,13 @@ class RolloutScheduler:
             scores = self._agreement.rescore(self.objective.packed_log_probs, variables, fields)
         return np.where(np.asarray(batch["response_mask"]) != 0, scores, 0.0).astype(np.float32)
 
-    def _collect(self, entry: _Batch, version: int, causes, stats) -> tuple[list[_Group], int]:
+    def _collect(self, entry: BatchEntry, version: int, causes, stats) -> tuple[list[GroupEntry], int]:
         """Wait until every group of the batch is admitted, cut, abandoned or dropped."""
-        admitted: list[_Group] = []
+        admitted: list[GroupEntry] = []
         lengths: list[int] = []
         cut = 0
 
-        def fail(group: _Group, slot: _Slot, cause: str, failed: bool) -> None:
+        def fail(group: GroupEntry, slot: Slot, cause: str, failed: bool) -> None:
             if failed:
                 slot.failures += 1
                 if slot.failures >= self.max_attempts:
@@ -507,7 +432,7 @@ class RolloutScheduler:
                             fail(group, slot, "timeout", failed=True)
         return admitted, cut
 
-    def _close_group(self, group: _Group) -> int:
+    def _close_group(self, group: GroupEntry) -> int:
         count = 0
         for slot in group.slots:
             count += self._cancel(slot.future)

@@ -29,6 +29,7 @@ import numpy as np
 from dew.data.dataset import Dataset, Partition, local_partition
 from dew.data.loading import Loading, PartitionedLoader, Record, RecordError, RecordStream, local_rows, read_file
 from dew.data.packing import pack_documents
+from dew.validation import positive_int
 
 
 class Role(enum.IntEnum):
@@ -108,8 +109,7 @@ class ChatMessages(PartitionedLoader):
         val_path=None,
         loading: Loading | None = None,
     ):
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"ChatMessages: seq_len must be a positive integer, got {seq_len!r}")
+        positive_int("ChatMessages: seq_len", seq_len)
         self.tokenizer = load_tokenizer(tokenizer)
         self.seq_len, self.column, self.split = seq_len, column, split
         self.options = options or HFOptions()

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from dew.data.dataset import Dataset, Partition, local_partition
+from dew.validation import positive_int
 
 
 class RecordError(ValueError):
@@ -187,8 +188,7 @@ class RecordStream:
 
 
 def local_rows(batch: int, partition: Partition, owner: str) -> int:
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"{owner}.load: batch must be a positive integer, got {batch!r}")
+    positive_int(f"{owner}.load: batch", batch)
     if batch % partition.count:
         raise ValueError(f"{owner}.load: a batch of {batch} rows does not split across {partition.count} processes")
     return batch // partition.count

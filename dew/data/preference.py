@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dew.data.loading import Loading, PartitionedLoader, Record, read_records
+from dew.validation import integer
 
 SIDES = ("chosen", "rejected")
 
@@ -50,10 +51,8 @@ class PreferencePairs(PartitionedLoader):
         pad_id: int = 0,
         loading: Loading | None = None,
     ):
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-            raise ValueError(f"PreferencePairs: seq_len must be an integer >= 2, got {seq_len!r}")
-        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
-            raise ValueError(f"PreferencePairs: pad_id must be a non-negative integer, got {pad_id!r}")
+        integer("PreferencePairs: seq_len", seq_len, at_least=2)
+        integer("PreferencePairs: pad_id", pad_id, at_least=0)
         self.seq_len, self.pad_id = seq_len, pad_id
         super().__init__(read_records(records, path, self.owner), loading)
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from dew.data.loading import Loading, PartitionedLoader, Record, read_records
 from dew.data.preference import token_ids
+from dew.validation import positive_int
 
 METADATA = ("data_source", "ground_truth", "extra_info")
 DROPPED = ("ability", "agent_name")  # verl columns with no place in a prompt batch
@@ -123,8 +124,7 @@ class Prompts(PartitionedLoader):
         pad_id: int | None = None,
         loading: Loading | None = None,
     ):
-        if isinstance(max_prompt_len, bool) or not isinstance(max_prompt_len, int) or max_prompt_len < 1:
-            raise ValueError(f"Prompts: max_prompt_len must be a positive integer, got {max_prompt_len!r}")
+        positive_int("Prompts: max_prompt_len", max_prompt_len)
         super().__init__(read_records(records, path, self.owner), loading)
         self.max_prompt_len = max_prompt_len
         self._tokenizer = None if isinstance(tokenizer, (str, Path)) else tokenizer

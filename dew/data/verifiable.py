@@ -55,6 +55,7 @@ from dew.data.chat import Role
 from dew.data.dataset import Dataset, Partition
 from dew.data.loading import Loading, RecordStream, batches_per_epoch, local_rows
 from dew.data.packing import pack_documents
+from dew.validation import positive_int
 
 # transformers announces at import that torch is absent; dew uses it for tokenizers only.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -176,8 +177,7 @@ def verifiable_tasks(count: int, seed: int = 0, families: Sequence[str] = ("math
     Cycling (rather than drawing the family) keeps every window of ``len(families)``
     consecutive tasks balanced, so batches read in order have a fixed mix.
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count must be a positive integer, got {count!r}")
+    positive_int("count", count)
     if isinstance(families, str) or not families:
         raise ValueError(f"families must be a non-empty sequence of names from {sorted(_MAKERS)}, got {families!r}")
     if len(set(families)) != len(families):
@@ -246,8 +246,7 @@ def demonstration_dataset(tokenizer, tasks: Sequence[VerifiableTask], seq_len: i
     only. The stream reshuffles rows every epoch from ``seed``; there is no validation
     split (measure the reward instead).
     """
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive integer, got {batch!r}")
+    positive_int("batch", batch)
     documents, roles = demonstration_documents(tokenizer, tasks)
     longest = max(len(d) for d in documents)
     if longest > seq_len + 1:

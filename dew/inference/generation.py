@@ -25,6 +25,7 @@ from flax import struct
 
 from dew.models.transformer import init_cache
 from dew.sampling import Sampling, sample
+from dew.validation import positive_int
 
 
 @struct.dataclass
@@ -130,8 +131,7 @@ class TextGeneration:
     ) -> Generation:
         if self.variables is None:
             raise ValueError("TextGeneration has no variables; call bind(variables) first")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        positive_int("max_new_tokens", max_new_tokens)
         tokens, lengths = pack_contexts(contexts, getattr(self.model, "vocab_size", None))
         keys = row_keys(key, len(lengths))
         return _generate(self.model, self.variables, tokens, lengths, keys, max_new_tokens, sampling)

@@ -64,6 +64,7 @@ from flax import struct
 from dew.inference.generation import bucket, sample_rows
 from dew.models.transformer import KVCache, init_cache
 from dew.sampling import Sampling
+from dew.validation import integer, positive_int
 
 PACKED_IDS = 256  # prompt ids per packed prefill call (a longer prompt is prefilled alone)
 BLOCK_SIZE = 64  # positions of a cache's first block (see cache_blocks)
@@ -231,14 +232,11 @@ class Server:
         self, model, variables, sampling: Sampling, slots: int, capacity: int, dtype=jnp.float32, lanes: int = 1,
         block_size: int = BLOCK_SIZE,
     ):
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be a positive integer, got {slots!r}")
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2:
-            raise ValueError(f"capacity must be an integer >= 2, got {capacity!r}")
+        positive_int("slots", slots)
+        integer("capacity", capacity, at_least=2)
         if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1 or slots % lanes:
             raise ValueError(f"lanes must be a positive integer that divides slots={slots}, got {lanes!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        positive_int("block_size", block_size)
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}")
         if jnp.dtype(dtype) != jnp.float32 and getattr(model, "matmul_dtype", jnp.float32) is None:
@@ -286,8 +284,7 @@ class Server:
             raise ValueError("the prompt is empty; a request needs at least one id")
         if ids.ndim != 1 or ids.min() < 0 or ids.max() >= self.model.vocab_size:
             raise ValueError(f"the prompt holds ids outside the vocabulary [0, {self.model.vocab_size})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        positive_int("max_new_tokens", max_new_tokens)
         if ids.size + max_new_tokens > self.capacity:
             raise ValueError(
                 f"a prompt of {ids.size} ids plus a budget of {max_new_tokens} exceeds the cache capacity {self.capacity}"

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from dew.validation import positive_int
 
 Variables = Mapping[str, Any]
 
@@ -88,8 +89,7 @@ def check_integer_field(batch: Mapping[str, Any], field: str, shape: tuple[int, 
 
 def check_seq_len(model, seq_len) -> int:
     """A positive ``seq_len`` within the model's ``max_seq_len``, or a ValueError naming both."""
-    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    positive_int("seq_len", seq_len)
     max_seq_len = getattr(model, "max_seq_len", None)
     if max_seq_len is not None and seq_len > max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}")

@@ -19,6 +19,7 @@ import numpy as np
 from dew.losses.advantages import group_advantages
 from dew.records.actions import check_call
 from dew.records.sessions import Call, Session, check_options, check_truncation, training_reward
+from dew.validation import integer
 
 
 
@@ -178,8 +179,7 @@ def pack(
       each row's kept ids back to back tagged with their sampled id's column, -1 padding.
     """
     check_options(estimator, truncation)
-    if isinstance(width, bool) or not isinstance(width, int) or width < 2:
-        raise ValueError(f"width must be an integer >= 2, got {width!r}")
+    integer("width", width, at_least=2)
     trained = _trained(sessions, truncation)
     advantages = session_advantages([r for _, _, r in trained], [s.key for _, s, _ in trained], estimator)
     chains, chain_advantage = [], []

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from dew.sandbox.program import Outcome, Program, SandboxLimits
 from dew.sandbox.runners import Runner
+from dew.validation import integer, positive_int
 
 
 class SandboxFleet:
@@ -34,11 +35,9 @@ class SandboxFleet:
             raise TypeError(f"runner must have run(program, limits), got {type(runner).__name__}")
         if not isinstance(limits, SandboxLimits):
             raise TypeError(f"limits must be SandboxLimits, got {type(limits).__name__}")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        positive_int("workers", workers)
         queued = 2 * workers if queued is None else queued
-        if isinstance(queued, bool) or not isinstance(queued, int) or queued < 0:
-            raise ValueError(f"queued must be a non-negative integer, got {queued!r}")
+        integer("queued", queued, at_least=0)
         self.runner, self.limits, self.workers, self.queued = runner, limits, workers, queued
         self._slots = threading.Semaphore(workers + queued)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="dew-sandbox")

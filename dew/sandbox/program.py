@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from dew.validation import positive, positive_int
 from collections.abc import Mapping, Sequence
 
 
@@ -55,12 +56,10 @@ class SandboxLimits:
     def __post_init__(self):
         for name in ("cpu_seconds", "wall_seconds"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"SandboxLimits.{name} must be a positive number, got {value!r}")
+            positive(f"SandboxLimits.{name}", value)
         for name in ("memory_bytes", "output_bytes", "processes", "message_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SandboxLimits.{name} must be a positive integer, got {value!r}")
+            positive_int(f"SandboxLimits.{name}", value)
 
 
 class Verdict(enum.Enum):

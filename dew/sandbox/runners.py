@@ -374,8 +374,7 @@ class ContainerRunner(CapturingRunner):
         if not isinstance(runtime, str) or not runtime:
             raise ValueError(f"runtime must be a command such as 'docker' or 'podman', got {runtime!r}")
         for name, value in (("cpu_shares", cpu_shares), ("scratch_bytes", scratch_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-                raise ValueError(f"{name} must be an integer of at least 2, got {value!r}")
+            integer(f"{name}", value, at_least=2)
         self.image, self.runtime, self.cpu_shares, self.scratch_bytes = image, runtime, cpu_shares, scratch_bytes
 
     def argv(self, program: Program, directory: str, limits: SandboxLimits, name: str) -> list[str]:

@@ -30,6 +30,7 @@ from dew.objectives.rl import EnvironmentSource
 from dew.records.sessions import Session, SessionSource, Status, Task
 from dew_ray.actors._pool import LeastBusy
 from dew_ray.actors.rollout import RemoteRolloutServer, ServerPool
+from dew.validation import positive_int
 
 
 class EnvironmentWorkerHost:
@@ -80,8 +81,7 @@ def start_environment_workers(count: int, servers: ServerPool, environment: Call
                               num_cpus: float = 0.5, actor_options: dict | None = None,
                               **options) -> list:
     """``count`` EnvironmentWorkers over the pool's rollout servers."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count must be a positive integer, got {count!r}")
+    positive_int("count", count)
     pairs = [(server.name, server.actor) for server in servers.servers]
     return [EnvironmentWorker.options(num_cpus=num_cpus, **(actor_options or {}))
             .remote(pairs, environment, verifier, **options) for _ in range(count)]

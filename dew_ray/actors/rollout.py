@@ -28,6 +28,7 @@ from ray.exceptions import RayActorError
 
 from dew.inference import Draw, DrawFuture, NativeRolloutServer, RolloutServer, Server, ServingTask
 from dew_ray.weights import WeightBroadcast
+from dew.validation import positive_int
 
 
 class RolloutServerHost:
@@ -229,8 +230,7 @@ def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: i
 
     ``placement(i)``, when given, returns actor i's options (its CPUs and placement-group bundle).
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count must be a positive integer, got {count!r}")
+    positive_int("count", count)
     actors = [RolloutServerActor.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **options)
               .remote(task, slots, capacity, lanes=lanes, version=version, http=http) for i in range(count)]
     return ServerPool([RemoteRolloutServer(actor, f"rollout server {i}") for i, actor in enumerate(actors)])

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError
 
 from dew.sandbox import Outcome, Program, SandboxFleet, SandboxLimits, default_runner
 from dew_ray.actors._pool import LeastBusy
+from dew.validation import positive_int
 
 
 class SandboxRunnerHost:
@@ -46,8 +47,7 @@ def start_sandbox_runners(count: int, runner=None, limits: SandboxLimits = Sandb
 
     ``placement(i)``, when given, returns actor i's options (its CPUs and placement-group bundle).
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count must be a positive integer, got {count!r}")
+    positive_int("count", count)
     return [SandboxRunnerActor.options(max_concurrency=workers, **(placement(i) if placement else {"num_cpus": num_cpus}),
                                        **options).remote(runner, limits, workers) for i in range(count)]
 
@@ -59,8 +59,7 @@ class RemoteFleet:
         self.actors = list(actors)
         if not self.actors:
             raise ValueError("RemoteFleet needs at least one SandboxRunnerActor")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be the actors' positive worker count, got {workers!r}")
+        positive_int("workers", workers, why="the actors' worker count")
         queued = 2 * workers * len(self.actors) if queued is None else queued
         self.retries = retries
         self._slots = threading.Semaphore(workers * len(self.actors) + queued)

@@ -34,6 +34,7 @@ from dew.checkpoint import Checkpoints
 from dew.data.dataset import Dataset, TrainStream
 from dew.sharding import initialize_processes, local_partition
 from dew.trainer import Trainer, TrainState
+from dew.validation import positive_int
 
 
 @dataclasses.dataclass
@@ -168,8 +169,7 @@ def start_trainer_group(build: Callable[[], TrainJob], processes: int = 1, local
 
     ``placement(i)``, when given, returns actor i's options (its CPUs and placement-group bundle).
     """
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise ValueError(f"processes must be a positive integer, got {processes!r}")
+    positive_int("processes", processes)
     actors = [TrainerActor.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **options).remote(build)
               for i in range(processes)]
     coordinator = ray.get(actors[0].coordinator.remote(), timeout=timeout) if processes > 1 else None

@@ -36,6 +36,7 @@ from dew.objectives.base import (
 )
 from dew.objectives.lm import token_log_probs
 from dew.losses.preference import dpo_loss, sequence_log_probs
+from dew.validation import positive
 
 _UNSET = object()
 
@@ -56,8 +57,7 @@ class DPOObjective(Objective):
                 f"DPOObjective keeps its reference in the EMA slot with ema_decay fixed at 1; got ema_decay={ema_decay!r}"
             )
         seq_len = check_seq_len(model, seq_len)
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
-            raise ValueError(f"beta must be positive, got {beta!r}")
+        positive("beta", beta)
         self.model = model
         self.seq_len = seq_len
         self.beta = float(beta)

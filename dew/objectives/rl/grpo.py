@@ -221,9 +221,10 @@ class GRPOObjective(Objective):
             else:
                 weights = losses.icepop_weights(old, behavior, low, high)
                 removed("behavior_importance", (weights > 0).astype(jnp.float32))
-        for name, band, mode in (("sequence_mask", self.sequence_mask, "sum"), ("geometric_mask", self.geometric_mask, "mean")):
-            if band is not None:
-                keep = losses.sequence_mask(proximal - behavior, mask, chain_ids, chains, band[0], band[1], mode)
+        for name, bounds, mode in (("sequence_mask", self.sequence_mask, "sum"),
+                                   ("geometric_mask", self.geometric_mask, "mean")):
+            if bounds is not None:
+                keep = losses.sequence_mask(proximal - behavior, mask, chain_ids, chains, bounds[0], bounds[1], mode)
                 removed(name, keep)
                 mask = mask * keep
 
