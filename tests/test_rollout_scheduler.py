@@ -391,11 +391,18 @@ def test_converters_and_the_ahead_stream(objective, variables):
     scheduler, source, _ = make(objective, always(Status.COMPLETED), ahead=2, max_lag=2)
     stream = scheduler.tasks(Dataset(train=lambda partition: Positioned())).train(None)
     first = next(stream)
-    assert len(scheduler._queue) == 3 and stream.position() == 1  # read 0..2, handed over 0: next is 1
+    tasks = len(scheduler._queue[0].tasks)
+    # read 0..2, handed over 0: next is 1, whose groups are numbered after batch 0's
+    assert len(scheduler._queue) == 3 and stream.position() == {"stream": 1, "group": tasks}
     scheduler(first, variables, 0, None)
     assert sorted({t for t, _, _ in source.submitted}) == ["0", "1", "2"]  # batches 1 and 2 went out ahead
-    stream.restore(1)
+    groups = {t: g for t, g, _ in source.submitted}
+    stream.restore({"stream": 1, "group": tasks})
     assert len(scheduler._queue) == 0 and int(next(stream)["task_id"][0]) == 1
+    # a resumed stream numbers batch 1's groups as the first run did (their seeds depend on it)
+    assert scheduler._queue[0].first_group == groups["1"] == tasks
+    stream.restore(1)  # a position from a checkpoint written before positions carried the group numbering
+    assert int(next(stream)["task_id"][0]) == 1
 
 
 # ----- end to end -----------------------------------------------------------------------------

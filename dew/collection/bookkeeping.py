@@ -64,8 +64,11 @@ class GroupEntry:
 
 @dataclasses.dataclass
 class BatchEntry:
+    """A data batch the scheduler will train on; its groups are numbered from ``first_group`` in task order."""
+
     data: Batch
     tasks: list[Task]
+    first_group: int
     groups: list[GroupEntry] = dataclasses.field(default_factory=list)
     submitted: bool = False
 

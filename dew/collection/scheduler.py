@@ -152,7 +152,7 @@ class RolloutScheduler:
         options = {"rows": rows, "width": width, "sync_every": sync_every, "push": push}
         self._agreement = ProcessAgreement(weights, push, options) if jax.process_count() > 1 else None
         self._queue: collections.deque[BatchEntry] = collections.deque()  # registered, not yet trained on
-        self._next_group = 0
+        self.next_group = 0  # the first group id of the next batch registered (the streams checkpoint it)
         self._finished: dict[Future, float] = {}
 
     # ----- the stream ------------------------------------------------------------------------
@@ -172,7 +172,15 @@ class RolloutScheduler:
 
     def register(self, batch: Batch) -> None:
         """Queue a data batch that the trainer will hand over later (the stream calls this)."""
-        self._queue.append(BatchEntry(batch, list(self.converter(batch))))
+        self._queue.append(self._entry(batch))
+
+    def _entry(self, batch: Batch) -> BatchEntry:
+        """A batch and its tasks, its groups numbered after every batch read before it: a group's id (and so its
+        samples' seeds) depends on where the batch stands in the stream, not on when it was submitted."""
+        tasks = list(self.converter(batch))
+        entry = BatchEntry(batch, tasks, self.next_group)
+        self.next_group += len(tasks)
+        return entry
 
     def reset(self) -> None:
         for entry in self._queue:
@@ -201,9 +209,8 @@ class RolloutScheduler:
     def _submit_batch(self, entry: BatchEntry) -> None:
         version = self.served_version
         try:
-            for task in entry.tasks:
-                group = GroupEntry(task, self._next_group, [Slot(s) for s in range(self.groups + self.oversample)])
-                self._next_group += 1
+            for number, task in enumerate(entry.tasks, start=entry.first_group):
+                group = GroupEntry(task, number, [Slot(s) for s in range(self.groups + self.oversample)])
                 entry.groups.append(group)
                 futures = self.source.submit(task, group.group, len(group.slots))
                 if len(futures) != len(group.slots):
@@ -327,7 +334,7 @@ class RolloutScheduler:
                 for _ in range(index):
                     self._cancel_batch(self._queue.popleft())
                 return self._queue.popleft()
-        return BatchEntry(batch, list(self.converter(batch)))  # not read through scheduler.tasks: nothing ahead
+        return self._entry(batch)  # not read through scheduler.tasks: nothing ahead
 
     def _proximal(self, variables, batch: Batch) -> np.ndarray:
         """old_log_probs of this process's rows under ``variables``: [rows, width] float32, 0 off sampled ids.

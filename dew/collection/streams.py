@@ -5,7 +5,9 @@ to ``ahead`` batches beyond the one it hands over and registers each with the sc
 as it reads it, so the scheduler can submit them early. Over a stream with positions
 (:class:`~dew.data.dataset.StreamPosition`) it reports the position of the next batch it
 will hand over, not of the next it will read, so the checkpointed data position stays the
-trainer's; restoring a position drops what was read ahead and resets the scheduler.
+trainer's; restoring a position drops what was read ahead and resets the scheduler. The
+position also carries the scheduler's group numbering (``{"stream": ..., "group": ...}``), so
+a resumed run numbers its groups, and seeds its samples, as the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Registry(Protocol):
     """What a stream tells about the batches it reads (the scheduler)."""
 
     ahead: int
+    next_group: int
 
     def register(self, batch: Batch) -> None: ...
 
@@ -32,14 +35,14 @@ class AheadStream:
 
     def __init__(self, scheduler: Registry, inner: Iterator[Batch]):
         self._scheduler, self._inner = scheduler, inner
-        self._buffer: collections.deque = collections.deque()  # (position before the batch, batch)
+        self._buffer: collections.deque = collections.deque()  # ((position, first group) before the batch, batch)
         self._ended = False
 
     def __iter__(self):
         return self
 
     def _where(self) -> Any:
-        return None
+        return None, self._scheduler.next_group
 
     def _fill(self) -> None:
         while not self._ended and len(self._buffer) < self._scheduler.ahead + 1:
@@ -63,13 +66,19 @@ class PositionedStream(AheadStream):
     """An ahead stream over a stream with positions: reports the next batch it hands over."""
 
     def _where(self) -> Any:
-        return self._inner.position()
+        return self._inner.position(), self._scheduler.next_group
 
     def position(self) -> Any:
-        return self._buffer[0][0] if self._buffer else self._inner.position()
+        inner, group = self._buffer[0][0] if self._buffer else self._where()
+        return {"stream": inner, "group": group}
 
     def restore(self, position: Any) -> None:
-        self._inner.restore(position)
+        if isinstance(position, dict) and set(position) == {"stream", "group"}:
+            inner, group = position["stream"], int(position["group"])
+        else:  # a checkpoint from before the position carried the group numbering
+            inner, group = position, self._scheduler.next_group
+        self._inner.restore(inner)
         self._buffer.clear()
         self._ended = False
         self._scheduler.reset()
+        self._scheduler.next_group = group

@@ -14,6 +14,7 @@ import os
 import random
 
 
+from dew import models
 from dew.data.dataset import Dataset, Partition
 from dew.data.loading import Loading, RecordStream, batches_per_epoch, local_rows
 from dew.data.packing import pack_documents
@@ -142,8 +143,6 @@ def story_dataset(tokenizer, seq_len: int, batch: int, count: int = 2000, val_co
 
 def story_decoder(vocab_size: int, max_seq_len: int = 64):
     """The tiny decoder the demos train: 2 layers, 64 features, 4 heads (2 KV heads)."""
-    from dew import models
-
     return models.build(
         "causal_transformer",
         vocab_size=vocab_size,

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import ray
 from ray.exceptions import RayActorError
 
-from dew.inference import Draw, DrawFuture, NativeRolloutServer, RolloutServer, Server, ServingTask
+from dew.inference import Draw, DrawFuture, NativeRolloutServer, OpenAIFront, RolloutServer, Server, ServingTask
 from dew_ray.weights import WeightBroadcast
 from dew.validation import positive_int
 
@@ -46,8 +46,6 @@ class RolloutServerHost:
         self._cancelled: set[str] = set()
         self.front = None
         if http:
-            from dew.inference.http import OpenAIFront
-
             self.front = OpenAIFront(self.rollout, tokenizer, host=host)
 
     async def draw(self, key: str, prompt_ids: Sequence[int], max_new_tokens: int, seed: int) -> Draw:

@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import ray
 from flax import serialization
-from ray._private import ray_constants
+from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 from tqdm import tqdm
 
 from dew.data.verifiable import task_tokenizer
@@ -91,7 +91,7 @@ class PreflightError(RuntimeError):
 
 def submitted_job() -> bool:
     """Whether this driver runs as a submitted Ray job (``ray job submit``): the job supervisor sets its config."""
-    return ray_constants.RAY_JOB_CONFIG_JSON_ENV_VAR in os.environ
+    return RAY_JOB_CONFIG_JSON_ENV_VAR in os.environ
 
 
 def resolve_run_dir(run_dir: str) -> Path:
@@ -161,16 +161,26 @@ class RLVRPipeline:
         self.metrics = None
         self.placement = None
         self.step_count = 0
+        self.sandbox: str | None = None
 
     # -- lifecycle --
+
+    def preflight(self) -> str:
+        """The checks that need no cluster: the run directory is writable and the sandbox runs a program.
+
+        Returns which sandbox runs the code tasks (``start`` runs this first when nobody did).
+        """
+        _writable(self.run_dir)
+        self.sandbox = check_sandbox(self.config.runner)
+        return self.sandbox
 
     def start(self) -> dict:
         """Start Ray (unless attached), warm-start or read back the warm start, start every actor."""
         config = self.config
         self.started_at = time.perf_counter()
         # What can fail before any work starts fails now, within seconds, naming the fix.
-        _writable(self.run_dir)
-        self.sandbox = check_sandbox(config.runner)
+        if self.sandbox is None:
+            self.preflight()
         demand = config.cpu_demand()
         if not ray.is_initialized():
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster of this run only
@@ -368,8 +378,8 @@ def run(config: RLVRPipelineConfig, address: str | None = None) -> dict:
     """Start, train to ``config.steps`` with a progress bar, finish and stop; returns the summary."""
     with RLVRPipeline(config, address) as pipeline:
         print(f"run directory {pipeline.run_dir}", flush=True)
+        print(f"sandbox for code tasks: {pipeline.preflight()}", flush=True)
         started = pipeline.start()
-        print(f"sandbox for code tasks: {pipeline.sandbox}", flush=True)
         if started["restored"]:
             print(f"resumed {pipeline.run_dir} at update {started['step']}", flush=True)
         with tqdm(total=config.steps, initial=pipeline.step_count, desc="rlvr", unit="update",
