@@ -128,3 +128,28 @@ def test_readme_python_blocks_run(capsys):
         namespace = {}
         exec(compile(block, "README.md", "exec"), namespace)
     assert int(namespace["state"].updates) == 20
+
+
+def test_the_spec_import_paths_name_real_objects():
+    """Every name the spec imports from dew.objectives.rl, and the modules it names by path, import as written."""
+    import importlib
+
+    import dew.objectives.rl as rl
+    from dew.collection import scheduler, sources, tasks
+    from dew.records import episodes, sessions
+
+    spec_names = {"DPOObjective": None, "GRPOObjective": None, "SampledRollout": None, "RolloutScheduler": scheduler,
+                  "SchedulerRecord": scheduler, "PromptSource": sources, "EnvironmentSource": sources,
+                  "EpisodeId": episodes, "Observation": episodes, "Action": episodes, "Transition": episodes,
+                  "Episode": episodes, "Environment": episodes, "task_ids": tasks, "prompt_tasks": tasks}
+    for name, home in spec_names.items():
+        assert name in rl.__all__ and hasattr(rl, name), name
+        if home is not None:
+            assert getattr(rl, name) is getattr(home, name), name  # the one object, re-exported from its layer
+    facade = importlib.import_module("dew.objectives.rl.sessions")
+    for name in ("Call", "Session", "Status", "Task", "SessionSource", "pack", "chain_lengths", "rows_needed",
+                 "session_metrics"):
+        assert hasattr(facade, name), name
+    assert facade.Session is sessions.Session
+    for module in ("dew.inference", "dew.sampling"):
+        importlib.import_module(module)
