@@ -122,6 +122,15 @@ def test_construction_checks(objective, tiny_model):
     with pytest.raises(ValueError, match="truncation must be one of"):
         make(objective, always(Status.COMPLETED), truncation="drop")
 
+    class LooksLikeWeights:  # load and version, but not a publisher: the scheduler checks the type
+        version = 0
+
+        def load(self, variables, version):
+            pass
+
+    with pytest.raises(TypeError, match="weights must be a dew.inference.WeightPublisher"):
+        make(objective, always(Status.COMPLETED), weights=LooksLikeWeights())
+
 
 # ----- admission by status --------------------------------------------------------------------
 
