@@ -88,7 +88,7 @@ def test_bad_options_raise(tiny_model):
         LMObjective(tiny_model, seq_len=17)
     with pytest.raises(ValueError, match="loss_role must be a Role"):
         LMObjective(tiny_model, seq_len=4, loss_role=9)
-    with pytest.raises(ValueError, match="ema_decay must be None or a number in \\(0, 1\\]"):
+    with pytest.raises(ValueError, match="ema_decay must be a finite number > 0 and <= 1 \\(None or a number in \\(0, 1\\]\\)"):
         LMObjective(tiny_model, seq_len=4, ema_decay=1.5)
     with pytest.raises(ValueError, match="outer 'params' collection"):
         LMObjective(tiny_model, seq_len=4, pretrained={"embed": 1})

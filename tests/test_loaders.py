@@ -116,7 +116,7 @@ def test_processes_read_disjoint_partitions_and_positions_restore():
 
 
 def test_loading_options_are_checked():
-    with pytest.raises(ValueError, match="Loading.threads must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="Loading.threads must be a positive integer, got 0"):
         Loading(threads=0)
     with pytest.raises(ValueError, match="a batch of 3 rows|fewer than one batch"):
         PreferencePairs(records=pairs(2), seq_len=6).load(batch=3)

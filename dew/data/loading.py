@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from dew.data.dataset import Dataset, Partition, local_partition
-from dew.validation import positive_int
+from dew.validation import integer, positive_int
 
 
 class RecordError(ValueError):
@@ -72,9 +72,7 @@ class Loading:
 
     def __post_init__(self):
         for name, least in (("workers", 0), ("threads", 1), ("read_buffer", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"Loading.{name} must be an integer >= {least}, got {value!r}")
+            integer(f"Loading.{name}", getattr(self, name), at_least=least)
 
     def encode(self, records: Sequence[Record], encode: Callable[[Record], Any], chunk: int = 256) -> list:
         """``[encode(r) for r in records]``, in order, spread over the workers or threads."""

@@ -234,7 +234,7 @@ class Server:
     ):
         positive_int("slots", slots)
         integer("capacity", capacity, at_least=2)
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1 or slots % lanes:
+        if positive_int("lanes", lanes, why=f"one that divides slots={slots}") and slots % lanes:
             raise ValueError(f"lanes must be a positive integer that divides slots={slots}, got {lanes!r}")
         positive_int("block_size", block_size)
         if not isinstance(sampling, Sampling):

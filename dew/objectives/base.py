@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dew.validation import positive_int
+from dew.validation import number, positive_int
 
 Variables = Mapping[str, Any]
 
@@ -56,9 +56,7 @@ class Objective:
 def check_ema_decay(ema_decay: float | None) -> float | None:
     if ema_decay is None:
         return None
-    if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 < ema_decay <= 1.0:
-        raise ValueError(f"ema_decay must be None or a number in (0, 1], got {ema_decay!r}")
-    return float(ema_decay)
+    return number("ema_decay", ema_decay, above=0, at_most=1, why="None or a number in (0, 1]")
 
 
 def check_variables(variables: Any, name: str = "pretrained") -> Variables:

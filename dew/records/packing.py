@@ -19,7 +19,7 @@ import numpy as np
 from dew.losses.advantages import group_advantages
 from dew.records.actions import check_call
 from dew.records.sessions import Call, Session, check_options, check_truncation, training_reward
-from dew.validation import integer
+from dew.validation import integer, positive_int
 
 
 
@@ -195,9 +195,7 @@ def pack(
     needed = 1 + max((row for row, _ in places), default=-1)
     if rows is None:
         rows = max(needed, 1)
-    elif isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"rows must be None or a positive integer, got {rows!r}")
-    elif needed > rows:
+    elif positive_int("rows", rows, why="or None") < needed:
         raise ValueError(f"the {len(chains)} chains need {needed} rows of width {width}; rows={rows} is too few")
 
     shape = (rows, width)
@@ -229,11 +227,8 @@ def pack(
         batch["routed"] = np.zeros(shape, bool)
     supported = any(c.support for c in chains)
     if supported:
-        if isinstance(support_capacity, bool) or not isinstance(support_capacity, int) or support_capacity < 1:
-            raise ValueError(
-                "calls recorded a support, so support_capacity must be a positive integer "
-                f"(top-k times the sampled ids a row holds), got {support_capacity!r}"
-            )
+        positive_int("support_capacity", support_capacity,
+                     why="calls recorded a support; top-k times the sampled ids a row holds")
         batch["support_ids"] = np.full((rows, support_capacity), -1, np.int32)
         batch["support_columns"] = np.full((rows, support_capacity), -1, np.int32)
         support_used = [0] * rows
