@@ -42,10 +42,10 @@ class Sampling:
         number("temperature", self.temperature, at_least=0)
         if self.top_k is not None:
             positive_int("top_k", self.top_k, why="or None")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}")
-        if self.min_p is not None and not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be None or in [0, 1), got {self.min_p!r}")
+        if self.top_p is not None:
+            number("top_p", self.top_p, above=0, at_most=1, why="or None")
+        if self.min_p is not None:
+            number("min_p", self.min_p, at_least=0, below=1, why="or None")
         for eos in self.eos_ids:
             integer("eos_id", eos, at_least=0, why="None, one id or a tuple of them")
 

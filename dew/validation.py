@@ -61,14 +61,6 @@ def positive(name: str, value: Any, why: str = "") -> float:
     return number(name, value, above=0, why=why)
 
 
-def probability(name: str, value: Any, why: str = "") -> float:
-    """``value`` as a float in [0, 1]."""
-    result = number(name, value, at_least=0, why=why)
-    if result > 1:
-        raise _fail(name, "a probability in [0, 1]", value, why)
-    return result
-
-
 def one_of(name: str, value: Any, allowed: Collection) -> Any:
     """``value`` when it is one of ``allowed``."""
     if value not in allowed:

@@ -62,7 +62,8 @@ def test_greedy_picks_the_argmax_with_certain_behaviour():
 @pytest.mark.parametrize(
     "options, message",
     [({"temperature": -1}, "temperature must be a finite number >= 0"), ({"top_k": 0}, "top_k must be a positive integer \\(or None\\)"),
-     ({"top_p": 0}, "top_p must be None or in \\(0, 1\\]"), ({"min_p": 1}, "min_p must be None or in \\[0, 1\\)"),
+     ({"top_p": 0}, "top_p must be a finite number > 0 and <= 1 \\(or None\\)"),
+     ({"min_p": 1}, "min_p must be a finite number >= 0 and < 1 \\(or None\\)"),
      ({"eos_id": (1, -2)}, "eos_id must be a non-negative integer \\(None, one id")],
 )
 def test_bad_sampling_options_raise(options, message):
