@@ -1,6 +1,6 @@
 """Option checks shared by every constructor: each returns the value or raises ``ValueError`` naming it.
 
-``integer("rows", rows, at_least=1)`` reads "rows must be an integer >= 1, got 0";
+``integer("rows", rows, at_least=2)`` reads "rows must be an integer >= 2, got 0";
 ``why`` adds the reason after the rule ("groups must be an integer >= 2 (advantages
 compare completions of one prompt), got 1"). Booleans are refused wherever a number is
 asked for, since ``True`` is an ``int`` to Python and never what a caller meant.
