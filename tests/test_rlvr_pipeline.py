@@ -254,10 +254,16 @@ def test_a_killed_main_job_resumes_from_its_checkpoint():
         assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
         got, want = (load_file(run / "policy" / "model.safetensors") for run in (killed, uninterrupted))
         assert sorted(got) == sorted(want)
-        # Two uninterrupted runs differ by up to 6e-8: the server's behaviour log-probabilities depend, in their
-        # last float32 bits, on which requests share a prefill. (A rerun from zero is what the checks above catch.)
-        for tensor in want:
-            np.testing.assert_allclose(got[tensor], want[tensor], rtol=0, atol=1e-6, err_msg=tensor)
+        # The server's behaviour log-probabilities depend, in their last float32 bits, on which requests share a
+        # prefill, and Adam can turn that into ~1e-6 on an element whose gradient is near zero: two uninterrupted
+        # runs differ on at most a handful of the 340k elements by over 1e-6. A resume from the wrong state or data
+        # moves nearly every element (the group numbering this test found moved 99% of them by up to 1.2e-3).
+        # (A rerun from zero is what the checks above catch.)
+        moved = sum(int((np.abs(got[t] - want[t]) > 1e-6).sum()) for t in want)
+        elements = sum(want[t].size for t in want)
+        assert moved <= elements // 1000, f"{moved} of {elements} elements differ by more than 1e-6"
+        worst = max(float(np.abs(got[t] - want[t]).max()) for t in want)
+        assert worst < 1e-4, worst
     finally:
         shutil.rmtree(killed, ignore_errors=True)
         shutil.rmtree(uninterrupted, ignore_errors=True)
