@@ -54,7 +54,8 @@ def describe(error: ValidationError, kind: type[BaseModel] | None = None) -> str
         field = ".".join(str(part) for part in item["loc"])
         known = kind.model_fields.get(str(item["loc"][0])) if kind is not None and item["loc"] else None
         if item["type"] == "extra_forbidden":
-            lines.append(f"unknown config field {field!r}")
+            known = f"; known: {sorted(kind.model_fields)}" if kind is not None else ""
+            lines.append(f"unknown config field {field!r}{known}")
         elif item["type"] == "value_error" and not field:
             lines.append(str(item["ctx"]["error"]) if "ctx" in item else item["msg"])
         elif item["type"] == "value_error":
@@ -74,15 +75,7 @@ class Config(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as error:
-            known = sorted(type(self).model_fields)
-            message = describe(error, type(self))
-            if "unknown config field" in message:
-                message += f"; known: {known}"
-            raise ConfigError(message) from None
-
-    def replace(self: C, **values: Any) -> C:
-        """A copy with ``values`` changed, checked like a new one."""
-        return type(self)(**{**self.model_dump(), **values})
+            raise ConfigError(describe(error, type(self))) from None
 
 
 def _override(kind: type[Config], item: str) -> tuple[str, Any]:

@@ -206,6 +206,7 @@ def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLV
         mark = time.perf_counter()
         job = grpo_job(config, model, params, tokenizer, task_rows(train), prompt_len, server, reward,
                        loading=Loading(shuffle=False), score_workers=max(2, config.sandbox_workers),
+                       progress=config.progress,
                        output_dir=None if out is None else out / "grpo")
         try:
             state = job.trainer.fit(job.data, steps=config.steps, log_every=max(1, config.steps // 4))

@@ -158,7 +158,7 @@ class GRPOJob:
 
 def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict], prompt_len: int,
              server: RolloutServer, reward: Callable[[str, str, str, str], float], *, loading: Loading,
-             score_workers: int, output_dir=None) -> GRPOJob:
+             score_workers: int, progress: bool, output_dir=None) -> GRPOJob:
     """The GRPO job of the built-in run on one trainer process.
 
     GRPOObjective (TIS cap 2 on proximal over behaviour) from ``params``; a PromptSource on
@@ -166,7 +166,8 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     publishes through ``server`` with ``truncation="score"``; the Prompts of ``rows``
     (``loading`` orders them) in batches of ``tasks_per_step`` over all processes, each
     process packing its share times ``samples`` rows (a chain is at most one row, so no
-    group is ever cut for room); Adam with gradient clipping; checkpoints in ``output_dir``.
+    group is ever cut for room); Adam with gradient clipping; checkpoints in ``output_dir``;
+    ``progress``: the Trainer's progress bar.
     """
     processes = jax.process_count()
     if config.tasks_per_step % processes:
@@ -197,7 +198,7 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
                       loading=loading).load(batch=config.tasks_per_step)
     optimizer = optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(config.learning_rate))
     trainer = Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
-                      rollout=rollout, progress=config.progress, output_dir=output_dir)
+                      rollout=rollout, progress=progress, output_dir=output_dir)
     return GRPOJob(trainer=trainer, data=scheduler.tasks(prompts), scheduler=scheduler, source=source,
                    records=records, entered=entered, tasks=tasks, sessions=sessions)
 

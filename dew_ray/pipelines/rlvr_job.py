@@ -85,9 +85,11 @@ def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
     model = decoder(len(tokenizer), max_seq_len=setup.width)
     pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers])
     fleet = CountingFleet(RemoteFleet(runners, workers=config.sandbox_workers))
-    job = grpo_job(config.replace(progress=False), model, params, tokenizer, setup.rows, setup.prompt_len, pool,
+    # The trainer's own bar stays off: the driver shows the run's. (The config is not rebuilt here: its checks,
+    # the prompts file's existence among them, hold on the driver's machine, not necessarily on this node.)
+    job = grpo_job(config, model, params, tokenizer, setup.rows, setup.prompt_len, pool,
                    pipeline_reward(fleet), loading=Loading(seed=config.seed),
-                   score_workers=max(2, config.sandbox_workers * len(runners)),
+                   score_workers=max(2, config.sandbox_workers * len(runners)), progress=False,
                    output_dir=str(Path(setup.run_dir) / "grpo"))
 
     def report() -> dict:
