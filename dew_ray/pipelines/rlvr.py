@@ -98,7 +98,7 @@ def resolve_run_dir(run_dir: str) -> Path:
     """The run directory as the absolute path every actor is given (see the module docstring)."""
     if "://" in run_dir:
         raise PreflightError(f"config field 'run_dir' is a URI ({run_dir!r}); the pipeline writes its run directory with "
-                         "local file I/O: give an absolute path on a filesystem every node reaches")
+                             "local file I/O: give an absolute path on a filesystem every node reaches")
     path = Path(run_dir).expanduser()
     if not path.is_absolute() and submitted_job():
         raise PreflightError(
@@ -117,11 +117,11 @@ def _writable(run_dir: Path) -> None:
         probe.unlink()
     except OSError as error:
         raise PreflightError(f"the run directory {run_dir} is not writable ({error}); set run_dir to a directory you "
-                         "can write") from None
+                             "can write") from None
 
 
-def check_sandbox(runner: str) -> str:
-    """Start one program in the configured sandbox now; returns which one runs them (for the first lines)."""
+def check_sandbox(runner: str):
+    """Start one program in the configured sandbox now; returns the runner, which the sandbox actors get."""
     try:
         made = sandbox_runner(runner)
     except RuntimeError as error:
@@ -129,8 +129,13 @@ def check_sandbox(runner: str) -> str:
     outcome = made.run(Program(argv=["python3", "-c", "print(1)"]), SandboxLimits(wall_seconds=30))
     if outcome.verdict is not Verdict.COMPLETED:
         raise PreflightError(f"the {runner} sandbox could not run a program ({outcome.verdict.value}, exit "
-                           f"{outcome.exit_code}): {outcome.stderr.strip()[-500:]}")
-    return made.describe() if isinstance(made, BwrapRunner) else "ProcessRunner (no isolation: trusted code only)"
+                             f"{outcome.exit_code}): {outcome.stderr.strip()[-500:]}")
+    return made
+
+
+def describe_runner(runner) -> str:
+    """Which sandbox runs the code tasks, for the first lines a run prints."""
+    return runner.describe() if isinstance(runner, BwrapRunner) else "ProcessRunner (no isolation: trusted code only)"
 
 
 def _excludes(run_dir: Path) -> list[str]:
@@ -161,6 +166,7 @@ class RLVRPipeline:
         self.metrics = None
         self.placement = None
         self.step_count = 0
+        self.runner = None  # the sandbox runner the preflight started a program in; the runner actors get it
         self.sandbox: str | None = None
 
     # -- lifecycle --
@@ -171,7 +177,8 @@ class RLVRPipeline:
         Returns which sandbox runs the code tasks (``start`` runs this first when nobody did).
         """
         _writable(self.run_dir)
-        self.sandbox = check_sandbox(self.config.runner)
+        self.runner = check_sandbox(self.config.runner)
+        self.sandbox = describe_runner(self.runner)
         return self.sandbox
 
     def start(self) -> dict:
@@ -208,8 +215,8 @@ class RLVRPipeline:
         answer = max(len(tokenizer.encode(t.answer, add_special_tokens=False)) + 1 for t in train)
         if config.max_new_tokens < answer:
             raise PreflightError(f"config field 'max_new_tokens' ({config.max_new_tokens}) is shorter than the longest "
-                             f"reference answer of the tasks ({answer} ids with EOS): the warm start could not "
-                             "show it and no completion could reach it")
+                                 f"reference answer of the tasks ({answer} ids with EOS): the warm start could not "
+                                 "show it and no completion could reach it")
         self.model = decoder(len(tokenizer), max_seq_len=width)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
         self.placement = placement = RolePlacement({
@@ -222,7 +229,7 @@ class RLVRPipeline:
         self.pool = start_rollout_servers(ServingTask(self.model, self.params, sampling), config.servers,
                                           slots=config.slots, capacity=width, version=-1,
                                           placement=lambda i: placement.options("rollout server", i))
-        runners = start_sandbox_runners(config.sandbox_runners, sandbox_runner(config.runner), SANDBOX_LIMITS,
+        runners = start_sandbox_runners(config.sandbox_runners, self.runner, SANDBOX_LIMITS,
                                         workers=config.sandbox_workers,
                                         placement=lambda i: placement.options("sandbox runner", i))
         self.fleet = RemoteFleet(runners, workers=config.sandbox_workers)
