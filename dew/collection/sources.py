@@ -65,7 +65,8 @@ def _seed(*parts: Any) -> int:
 
 def _call(prompt: Sequence[int], draw: Draw) -> Call:
     return Call(prompt_ids=list(prompt), sampled_ids=draw.ids, behavior_log_probs=draw.behavior_log_probs,
-                old_log_probs=draw.old_log_probs, finish_reason=draw.finish_reason, version=draw.version)
+                old_log_probs=draw.old_log_probs, finish_reason=draw.finish_reason, version=draw.version,
+                support=draw.support, routed_experts=draw.routed_experts)
 
 
 @dataclasses.dataclass

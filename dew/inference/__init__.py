@@ -1,12 +1,26 @@
-"""Native inference: batched generation, continuous batching and the rollout-server interface."""
+"""Inference: batched generation, continuous batching, the rollout-server interface, and the engines behind it.
 
+Native: :class:`Server` and :class:`NativeRolloutServer`. Remote: :class:`OpenAIRolloutServer`
+(vLLM or SGLang ``/v1/completions``) and :class:`VLLMGenerateServer` (vLLM's token route).
+Publishing to remote engines: :class:`SafetensorsReload` as the push of a :class:`Publication`,
+checked by a :class:`LandingCheck`. :class:`VLLMEngine` starts a real vLLM from its own environment.
+"""
+
+from dew.inference.engines import VLLMEngine, engine_python
 from dew.inference.generation import Generation, TextGeneration
 from dew.inference.http import OpenAIFront
+from dew.inference.landing import LandingCheck, LandingError
+from dew.inference.openai_server import Completion, CompletionChoice, OpenAICompletion, OpenAIRolloutServer
 from dew.inference.publisher import WeightPublisher
+from dew.inference.reload import Publication, SafetensorsReload
+from dew.inference.remote import RemoteRolloutServer, VLLMGenerateServer
 from dew.inference.rollout import Draw, DrawFuture, NativeRolloutServer, RolloutServer
 from dew.inference.server import Finished, Server, ServingTask
+from dew.inference.wire import EngineError
 
 __all__ = [
-    "Draw", "DrawFuture", "Finished", "Generation", "NativeRolloutServer", "OpenAIFront", "RolloutServer", "Server", "ServingTask",
-    "TextGeneration", "WeightPublisher",
+    "Completion", "CompletionChoice", "Draw", "DrawFuture", "EngineError", "Finished", "Generation", "LandingCheck",
+    "LandingError", "NativeRolloutServer", "OpenAICompletion", "OpenAIFront", "OpenAIRolloutServer", "Publication",
+    "RemoteRolloutServer", "RolloutServer", "SafetensorsReload", "Server", "ServingTask", "TextGeneration",
+    "VLLMEngine", "VLLMGenerateServer", "WeightPublisher", "engine_python",
 ]

@@ -26,6 +26,8 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+import numpy as np
+
 from dew.inference.publisher import WeightPublisher
 from dew.inference.server import Server
 
@@ -40,6 +42,8 @@ class Draw:
     eos: bool
     version: int
     finish_reason: str
+    support: list[list[int]] | None = None  # per sampled id, the ids the sampler kept (engines that report them)
+    routed_experts: np.ndarray | None = None  # a mixture-of-experts router record, as the engine reported it
 
 
 class DrawFuture(Future):

