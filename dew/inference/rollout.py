@@ -14,7 +14,9 @@
 - ``version`` is the version being served.
 
 ``NativeRolloutServer(Server.from_task(task, slots=..., capacity=...))`` drives dew's
-continuous-batching :class:`~dew.inference.server.Server` on a background thread.
+continuous-batching :class:`~dew.inference.server.Server` on a background thread. With
+``landing=LandingCheck(model, served_dtype=..., published_dtype=...)`` every load scores the
+probe on the served copy and fails (the version staying) unless it matches the trainer's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from dew.inference.landing import LandingCheck, LandingError
 from dew.inference.publisher import WeightPublisher
 from dew.inference.server import Server
 
@@ -79,9 +82,10 @@ class NativeRolloutServer(RolloutServer):
     resolves futures. ``load`` returns once the new weights are in place.
     """
 
-    def __init__(self, server: Server, version: int = 0):
+    def __init__(self, server: Server, version: int = 0, landing: LandingCheck | None = None):
         self.server = server
         self._version = version
+        self.landing = landing
         self._lock = threading.Lock()
         self._commands: queue.Queue = queue.Queue()
         self._cancels: queue.Queue = queue.Queue()  # the thread holds the lock while it steps; a cancel must not wait
@@ -111,11 +115,13 @@ class NativeRolloutServer(RolloutServer):
 
     def load(self, variables, version: int) -> None:
         self._check_running()
-        done = threading.Event()
-        self._commands.put((variables, version, done))
+        done, failure = threading.Event(), []
+        self._commands.put((variables, version, done, failure))
         self._wake.set()
         while not done.wait(0.05):
             self._check_running()
+        if failure:
+            raise failure[0]
 
     def close(self) -> None:
         self._stop.set()
@@ -127,6 +133,11 @@ class NativeRolloutServer(RolloutServer):
                     future.set_exception(RuntimeError("the rollout server was closed before this draw finished"))
             self._futures.clear()
 
+    def _land(self, variables) -> None:
+        if self.landing is not None:
+            served = self.landing.served(self.server.model, self.server.variables)
+            self.landing.compare("the native server", served, self.landing.expected(variables))
+
     def _check_running(self) -> None:
         if self._error is not None:
             raise RuntimeError("the rollout server's thread failed") from self._error
@@ -137,9 +148,13 @@ class NativeRolloutServer(RolloutServer):
         try:
             while not self._stop.is_set():
                 while not self._commands.empty():
-                    variables, version, done = self._commands.get()
+                    variables, version, done, failure = self._commands.get()
                     self.server.reload(variables)
-                    self._version = version
+                    try:
+                        self._land(variables)
+                        self._version = version
+                    except LandingError as error:  # the load raises it; the version stays
+                        failure.append(error)
                     done.set()
                 with self._lock:
                     while not self._cancels.empty():
