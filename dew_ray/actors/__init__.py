@@ -1,5 +1,6 @@
 """Ray actors over plain dew classes: trainers, rollout servers, environment workers, sandbox runners."""
 
+from dew_ray.actors.engine import VLLMEngineActor, VLLMEngineHost, start_vllm_engines, vllm_rollouts
 from dew_ray.actors.environment import (
     EnvironmentWorker,
     EnvironmentWorkerHost,
@@ -35,4 +36,8 @@ __all__ = [
     "TrainerActor",
     "TrainerHost",
     "TrainJob",
+    "VLLMEngineActor",
+    "VLLMEngineHost",
+    "start_vllm_engines",
+    "vllm_rollouts",
 ]

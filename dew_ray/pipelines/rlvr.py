@@ -6,7 +6,10 @@ What runs where:
 
 - a Ray task warm-starts the built-in decoder with SFT on the tasks' demonstrations
   (:func:`dew.recipes.rlvr.warm_start`);
-- ``servers`` RolloutServerActors serve it (NativeRolloutServer, continuous batching);
+- ``servers`` RolloutServerActors serve it (NativeRolloutServer, continuous batching), or
+  with ``engine="vllm"`` ``servers`` VLLMEngineActors each own a vLLM process launched on
+  ``<run_dir>/engine/policy``, drawn from with OpenAIRolloutServer and published to by
+  SafetensorsReload (every push checked by the landing probe);
 - ``sandbox_runners`` SandboxRunnerActors run the code tasks' programs (bubblewrap by
   default);
 - ``trainers`` TrainerActors (one JAX process each; several form one jax.distributed
@@ -70,15 +73,32 @@ from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 from tqdm import tqdm
 
 from dew.data.verifiable import task_tokenizer
-from dew.inference import ServingTask
+from dew.inference import SafetensorsReload, ServingTask
+from dew.inference.engines import engine_dir, engine_python
 from dew.models.pretrained import Pretrained
 from dew.recipes.rlvr import SANDBOX_LIMITS, built_in_tasks, decoder, measure_reward, sandbox_runner
 from dew.sampling import Sampling
 from dew.sandbox import BwrapRunner, Program, SandboxLimits, Verdict
-from dew_ray.actors import RemoteFleet, start_rollout_servers, start_sandbox_runners, start_trainer_group, step_group
+from dew_ray.actors import (
+    RemoteFleet,
+    start_rollout_servers,
+    start_sandbox_runners,
+    start_trainer_group,
+    start_vllm_engines,
+    step_group,
+)
 from dew_ray.metrics import PipelineMetrics
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
-from dew_ray.pipelines.rlvr_job import Setup, pipeline_reward, prompt_rows, trainer_job, warm_start_task
+from dew_ray.pipelines.rlvr_job import (
+    ENGINE_MODEL,
+    Setup,
+    engine_policy,
+    engine_rollouts,
+    pipeline_reward,
+    prompt_rows,
+    trainer_job,
+    warm_start_task,
+)
 from dew_ray.pipelines.rlvr_report import plot, print_summary
 from dew_ray.placement import RolePlacement
 
@@ -177,6 +197,9 @@ class RLVRPipeline:
         Returns which sandbox runs the code tasks (``start`` runs this first when nobody did).
         """
         _writable(self.run_dir)
+        if self.config.engine == "vllm" and engine_python("vllm") is None:
+            raise PreflightError(f"engine=vllm needs the vLLM engine environment ({engine_dir('vllm')}), which is not "
+                                 "built: run `uv run python tools/engine_env.py vllm` (a few minutes, once)")
         self.runner = check_sandbox(self.config.runner)
         self.sandbox = describe_runner(self.runner)
         return self.sandbox
@@ -217,7 +240,7 @@ class RLVRPipeline:
             raise PreflightError(f"config field 'max_new_tokens' ({config.max_new_tokens}) is shorter than the longest "
                                  f"reference answer of the tasks ({answer} ids with EOS): the warm start could not "
                                  "show it and no completion could reach it")
-        self.model = decoder(len(tokenizer), max_seq_len=width)
+        self.model = decoder(len(tokenizer), max_seq_len=width, engine=config.engine)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
         self.placement = placement = RolePlacement({
             "trainer": (config.trainers, config.trainer_cpus), "rollout server": (config.servers, config.server_cpus),
@@ -225,15 +248,20 @@ class RLVRPipeline:
         }, name=f"dew-rlvr-{self.run_dir.resolve().name}")
         self.params = self._warm_params(width, train)
 
-        sampling = Sampling(eos_id=tokenizer.eos_token_id, temperature=1.0)
-        self.pool = start_rollout_servers(ServingTask(self.model, self.params, sampling), config.servers,
-                                          slots=config.slots, capacity=width, version=-1,
-                                          placement=lambda i: placement.options("rollout server", i))
+        setup = Setup(config, str(self.run_dir), width, prompt_len, rows)
+        if config.engine == "vllm":
+            engines = self._start_engines(setup)
+        else:
+            sampling = Sampling(eos_id=tokenizer.eos_token_id, temperature=1.0)
+            self.pool = start_rollout_servers(ServingTask(self.model, self.params, sampling), config.servers,
+                                              slots=config.slots, capacity=width, version=-1,
+                                              placement=lambda i: placement.options("rollout server", i))
+            engines = [server.actor for server in self.pool.servers]
         runners = start_sandbox_runners(config.sandbox_runners, self.runner, SANDBOX_LIMITS,
                                         workers=config.sandbox_workers,
                                         placement=lambda i: placement.options("sandbox runner", i))
         self.fleet = RemoteFleet(runners, workers=config.sandbox_workers)
-        self._actors = [server.actor for server in self.pool.servers] + runners
+        self._actors = engines + runners
         self.metrics = PipelineMetrics(self.run_dir.resolve().name)
 
         before_file = self.run_dir / "reward_before.json"
@@ -243,8 +271,7 @@ class RLVRPipeline:
             self.reward_before = self._measure()
             before_file.write_text(json.dumps(self.reward_before))
 
-        setup = Setup(config, str(self.run_dir), width, prompt_len, rows)
-        servers = [(server.name, server.actor) for server in self.pool.servers]
+        servers = [] if setup.engines else [(server.name, server.actor) for server in self.pool.servers]
         build = functools.partial(trainer_job, setup, self.params, servers, runners)
         self.trainers, started = start_trainer_group(build, processes=config.trainers,
                                                      placement=lambda i: placement.options("trainer", i))
@@ -255,9 +282,20 @@ class RLVRPipeline:
         return {"restored": started[0]["restored"], "step": self.step_count, "width": width,
                 "reward_before": self.reward_before, "parameters": sum(int(x.size) for x in _leaves(self.params))}
 
+    def _start_engines(self, setup: Setup) -> list:
+        """engine="vllm": write the launch policy, start the engines on it, and the driver's pool over them."""
+        directory = engine_policy(self.run_dir)
+        SafetensorsReload(Pretrained.from_model(self.model), directory, [], "vllm").write(self.params)
+        actors, setup.engines = start_vllm_engines(
+            directory, self.config.servers, name=ENGINE_MODEL, dtype=self.config.engine_dtype,
+            max_model_len=setup.width, args=["--logprobs-mode", "processed_logprobs"],
+            placement=lambda i: self.placement.options("rollout server", i))
+        self.pool = engine_rollouts(setup, self.model, version=-1)
+        return actors
+
     def _warm_params(self, width: int, train):
         path = self.run_dir / "warm_start.msgpack"
-        template = _init_template(decoder(len(self.tokenizer), max_seq_len=width))
+        template = _init_template(decoder(len(self.tokenizer), max_seq_len=width, engine=self.config.engine))
         if path.exists():
             return serialization.from_bytes(template, path.read_bytes())
         task = ray.remote(warm_start_task).options(**self.placement.options("trainer", 0))  # before the trainer starts

@@ -8,6 +8,7 @@ raises naming the field, the value and what was expected.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -23,7 +24,12 @@ class RLVRPipelineConfig(RLVRConfig):
     reaches); trainers, servers, sandbox_runners: actors of each role; trainer_cpus,
     server_cpus, sandbox_cpus: Ray CPUs reserved per actor; prompts: a verl-style
     Parquet/JSONL file instead of the built-in tasks; checkpoint_every: updates between
-    checkpoints. ``sandbox_workers`` is per runner and ``slots`` per server.
+    checkpoints. ``sandbox_workers`` is per runner and ``slots`` per server. engine:
+    "native" (dew's RolloutServerActors, weights through the object store) or "vllm"
+    (``servers`` vLLM engines owned by VLLMEngineActors, from the engine environment, drawn
+    from through OpenAIRolloutServer and published by SafetensorsReload into
+    ``<run_dir>/engine/policy``, a path every engine's node must read); engine_dtype: what
+    vLLM computes in.
     """
 
     run_dir: str = "runs/rlvr"
@@ -35,6 +41,8 @@ class RLVRPipelineConfig(RLVRConfig):
     sandbox_cpus: float = Field(0.25, gt=0)
     prompts: str | None = None
     checkpoint_every: int = Field(5, ge=1)
+    engine: Literal["native", "vllm"] = "native"
+    engine_dtype: Literal["float32", "bfloat16"] = "float32"
 
     @model_validator(mode="after")
     def _roles(self):

@@ -3,7 +3,8 @@
 The driver works out a :class:`Setup` once (config, row width, prompt length, prompt rows)
 and every trainer process builds its job from it (:func:`trainer_job`), the same GRPO job
 the one-process example trains (:func:`dew.recipes.rlvr.grpo_job`), here over a
-:class:`~dew_ray.actors.ServerPool` of the rollout-server actors, scored by the built-in
+:class:`~dew_ray.actors.ServerPool` of the rollout-server actors (or, with ``engine="vllm"``,
+an EnginePool over the vLLM engines, :func:`engine_rollouts`), scored by the built-in
 rewards with code on the sandbox-runner actors (:class:`~dew_ray.actors.RemoteFleet`).
 Prompts are the built-in verifiable tasks, or verl-style rows from ``prompts`` (rows of
 the code data source run in the sandbox; every other data source is scored as math).
@@ -22,7 +23,9 @@ from dew.data import Loading
 from dew.data.verifiable import MATH_SOURCE, task_rows, task_tokenizer
 from dew.recipes.rewards import RoutedReward, verifiable_reward
 from dew.recipes.rlvr import decoder, grpo_job, warm_start
-from dew_ray.actors import RemoteFleet, RemoteRolloutServer, ServerPool, TrainJob
+from dew.models.pretrained import Pretrained
+from dew.sampling import Sampling
+from dew_ray.actors import RemoteFleet, RemoteRolloutServer, ServerPool, TrainJob, vllm_rollouts
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
 
 
@@ -35,6 +38,23 @@ class Setup:
     width: int
     prompt_len: int
     rows: list[dict]
+    engines: list[str] | None = None  # engine="vllm": the engines' URLs, serving engine_policy(run_dir)
+
+
+ENGINE_MODEL = "dew-rlvr"  # the name the run's vLLM engines serve the policy under
+
+
+def engine_policy(run_dir) -> str:
+    """Where SafetensorsReload publishes the policy the vLLM engines serve (they launch on it)."""
+    return str(Path(run_dir) / "engine" / "policy")
+
+
+def engine_rollouts(setup: Setup, model, version: int):
+    """The EnginePool over the run's vLLM engines, publishing into engine_policy(run_dir)."""
+    config = setup.config
+    sampling = Sampling(eos_id=task_tokenizer().eos_token_id, temperature=1.0)
+    return vllm_rollouts(Pretrained.from_model(model), engine_policy(setup.run_dir), setup.engines, sampling,
+                         name=ENGINE_MODEL, version=version, served_dtype=config.engine_dtype)
 
 
 def prompt_rows(config: RLVRPipelineConfig, train) -> list[dict]:
@@ -82,15 +102,19 @@ def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
     """The GRPO job of one trainer process (runs inside a TrainerActor)."""
     config = setup.config
     tokenizer = task_tokenizer()
-    model = decoder(len(tokenizer), max_seq_len=setup.width)
-    pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers])
+    model = decoder(len(tokenizer), max_seq_len=setup.width, engine=config.engine)
+    if setup.engines:
+        pool = engine_rollouts(setup, model, version=-1)
+    else:
+        pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers])
     fleet = CountingFleet(RemoteFleet(runners, workers=config.sandbox_workers))
     # The trainer's own bar stays off: the driver shows the run's. (The config is not rebuilt here: its checks,
     # the prompts file's existence among them, hold on the driver's machine, not necessarily on this node.)
     job = grpo_job(config, model, params, tokenizer, setup.rows, setup.prompt_len, pool,
                    pipeline_reward(fleet), loading=Loading(seed=config.seed),
                    score_workers=max(2, config.sandbox_workers * len(runners)), progress=False,
-                   output_dir=str(Path(setup.run_dir) / "grpo"))
+                   output_dir=str(Path(setup.run_dir) / "grpo"),
+                   push="each" if setup.engines else "one")  # every process calls a SafetensorsReload
 
     def report() -> dict:
         out = {"verdicts": fleet.drain(), "tasks": job.tasks[-1] if job.tasks else []}
@@ -116,6 +140,6 @@ def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
 def warm_start_task(config: RLVRPipelineConfig, width: int, train):
     """The SFT warm start, run as a Ray task on the trainer's share of the CPUs before the trainers start."""
     tokenizer = task_tokenizer()
-    model = decoder(len(tokenizer), max_seq_len=width)
+    model = decoder(len(tokenizer), max_seq_len=width, engine=config.engine)
     return warm_start(model, tokenizer, train, width, config.sft_steps, config.sft_batch, config.sft_learning_rate,
                       key=jax.random.fold_in(jax.random.key(config.seed), 1), seed=config.seed, progress=False)
