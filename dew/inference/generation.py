@@ -24,7 +24,7 @@ import numpy as np
 from flax import struct
 
 from dew.models.transformer import init_cache
-from dew.sampling import Sampling, sample
+from dew.sampling import Sampling, sample, sample_controlled
 from dew.validation import positive_int
 
 
@@ -78,6 +78,15 @@ def sample_rows(logits: jax.Array, keys: jax.Array, steps: jax.Array, sampling: 
 
     steps = jnp.broadcast_to(steps, logits.shape[:1])
     drawn = jax.vmap(one)(logits, keys, steps)
+    return jax.tree.map(lambda x: x[:, 0], drawn)
+
+
+def sample_controlled_rows(logits: jax.Array, keys: jax.Array, steps: jax.Array, controls: jax.Array):
+    """As :func:`sample_rows`, each row under its own controls [rows, 4] (``dew.sampling.controls``)."""
+    def one(row_logits, key, step, row):
+        return sample_controlled(row_logits, jax.random.fold_in(key, step), row)
+
+    drawn = jax.vmap(one)(logits, keys, jnp.broadcast_to(steps, logits.shape[:1]), controls)
     return jax.tree.map(lambda x: x[:, 0], drawn)
 
 

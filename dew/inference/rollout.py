@@ -33,6 +33,7 @@ import numpy as np
 from dew.inference.landing import LandingCheck, LandingError
 from dew.inference.publisher import WeightPublisher
 from dew.inference.server import Server
+from dew.sampling import Sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +101,13 @@ class NativeRolloutServer(RolloutServer):
     def version(self) -> int:
         return self._version
 
-    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0,
+               sampling: Sampling | None = None) -> DrawFuture:
+        """As RolloutServer.submit; ``sampling`` gives this draw its own controls (``Server.submit``)."""
         self._check_running()
         future = DrawFuture()
         with self._lock:
-            future.request = self.server.submit(prompt_ids, max_new_tokens, seed)
+            future.request = self.server.submit(prompt_ids, max_new_tokens, seed, sampling)
             self._futures[future.request] = (future, self._version)
         self._wake.set()
         return future

@@ -61,9 +61,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dew.inference.generation import bucket, sample_rows
+from dew.inference.generation import bucket, sample_controlled_rows, sample_rows
 from dew.models.transformer import KVCache, init_cache
-from dew.sampling import Sampling
+from dew.sampling import Sampling, controls
 from dew.validation import integer, positive_int
 
 PACKED_IDS = 256  # prompt ids per packed prefill call (a longer prompt is prefilled alone)
@@ -100,6 +100,7 @@ class _Active:
     request: int
     budget: int
     context: int  # prompt ids in the cache
+    sampling: Sampling | None = None  # the request's own, when it is not the served one
     launched: int = 0  # decode steps started for it: the next one writes cache position context + launched
     ids: list = dataclasses.field(default_factory=list)
     old: list = dataclasses.field(default_factory=list)
@@ -122,8 +123,9 @@ class _Slots:
 
     Kept on the device and carried from step to step, so a step starts without the host:
     lengths (the cache's valid positions), last (the logits the next draw samples from),
-    keys (each request's key data), steps (tokens drawn so far), budgets, and alive
-    (still decoding: it has not sampled EOS nor spent its budget).
+    keys (each request's key data), steps (tokens drawn so far), budgets, alive
+    (still decoding: it has not sampled EOS nor spent its budget) and controls (each
+    request's Sampling as ``dew.sampling.controls``, read by steps that mix Samplings).
     """
 
     lengths: jax.Array
@@ -132,6 +134,7 @@ class _Slots:
     steps: jax.Array
     budgets: jax.Array
     alive: jax.Array
+    controls: jax.Array
 
 
 @partial(jax.jit, static_argnames=("model",), donate_argnames=("kv",))
@@ -147,14 +150,20 @@ def _prefill(model, variables, kv, slots: _Slots, pack: "_Pack"):
         steps=jnp.where(joining, 0, slots.steps),
         budgets=jnp.where(joining, pack.budgets, slots.budgets),
         alive=slots.alive | joining,
+        controls=jnp.where(joining[:, None], pack.controls, slots.controls),
     )
 
 
-@partial(jax.jit, static_argnames=("model", "sampling"), donate_argnames=("kv",))
-def _decode(model, variables, kv, slots: _Slots, keep, sampling: Sampling):
-    """One token for every alive slot the host still ``keep``s; returns the new state and what the host reads."""
+@partial(jax.jit, static_argnames=("model", "sampling", "mixed"), donate_argnames=("kv",))
+def _decode(model, variables, kv, slots: _Slots, keep, sampling: Sampling, mixed: bool = False):
+    """One token for every alive slot the host still ``keep``s; returns the new state and what the host reads.
+
+    ``mixed``: some request has its own Sampling, so every row draws under its slot's controls.
+    """
     alive = slots.alive & keep
-    drawn = sample_rows(slots.last, jax.random.wrap_key_data(slots.keys), slots.steps, sampling)
+    keys = jax.random.wrap_key_data(slots.keys)
+    drawn = (sample_controlled_rows(slots.last, keys, slots.steps, slots.controls) if mixed
+             else sample_rows(slots.last, keys, slots.steps, sampling))
     eos_ids = jnp.asarray(sampling.eos_ids or (-1,), jnp.int32)
     ended = alive & jnp.isin(drawn.ids, eos_ids)
     feed = alive & ~ended & (slots.steps + 1 < slots.budgets)
@@ -167,6 +176,7 @@ def _decode(model, variables, kv, slots: _Slots, keep, sampling: Sampling):
         steps=slots.steps + alive,
         budgets=slots.budgets,
         alive=feed,
+        controls=slots.controls,
     )
     return (cache.keys, cache.values), after, (drawn.ids, drawn.old_log_probs, drawn.behavior_log_probs, ended, alive)
 
@@ -188,7 +198,7 @@ class _Pack:
 
     tokens, segments (1, 2, ... per prompt, 0 for padding), positions (within each prompt)
     and rows (the lane row each id is written to): [1, width]. Per lane row: joining,
-    last (the index in the pack of the row's last prompt id), keys and budgets.
+    last (the index in the pack of the row's last prompt id), keys, budgets and controls.
     """
 
     tokens: jax.Array
@@ -199,6 +209,7 @@ class _Pack:
     last: jax.Array
     keys: jax.Array
     budgets: jax.Array
+    controls: jax.Array
 
 
 def cache_blocks(capacity: int, first: int) -> list[int]:
@@ -260,6 +271,7 @@ class Server:
                 lengths=cache.lengths, last=jnp.zeros((rows, model.vocab_size), jnp.float32),
                 keys=jnp.zeros((rows, *jax.random.key_data(jax.random.key(0)).shape), jnp.uint32),
                 steps=jnp.zeros(rows, jnp.int32), budgets=jnp.zeros(rows, jnp.int32), alive=jnp.zeros(rows, bool),
+                controls=jnp.tile(jnp.asarray(controls(sampling), jnp.float32), (rows, 1)),
             ))
         self._pool = ThreadPoolExecutor(lanes, thread_name_prefix="dew-lane") if lanes > 1 else None
         self._ahead: list[_Launched | None] = [None] * lanes  # each lane's next step, started before its last was read
@@ -277,8 +289,14 @@ class Server:
 
     # ----- requests ------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> int:
-        """Queue a request and return its number; bad requests raise here and touch no slot."""
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0,
+               sampling: Sampling | None = None) -> int:
+        """Queue a request and return its number; bad requests raise here and touch no slot.
+
+        ``sampling``: the request's own controls (temperature, top-k, top-p, min-p); it
+        shares the batch with requests of other Samplings, and its behaviour
+        log-probabilities are those of its own distribution. EOS stays the served one's.
+        """
         ids = np.asarray(list(prompt_ids), np.int64)
         if ids.size == 0:
             raise ValueError("the prompt is empty; a request needs at least one id")
@@ -289,8 +307,18 @@ class Server:
             raise ValueError(
                 f"a prompt of {ids.size} ids plus a budget of {max_new_tokens} exceeds the cache capacity {self.capacity}"
             )
+        if sampling is not None:
+            if not isinstance(sampling, Sampling):
+                raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}")
+            if sampling.eos_id is not None and sampling.eos_ids != self.sampling.eos_ids:
+                raise ValueError(f"a request's Sampling keeps the served EOS ids {self.sampling.eos_ids}, "
+                                 f"got {sampling.eos_ids}")
+            if sampling.top_k is not None and sampling.top_k > self.model.vocab_size:
+                raise ValueError(f"top_k={sampling.top_k} exceeds the vocabulary of {self.model.vocab_size} ids")
+            if controls(sampling) == controls(self.sampling):
+                sampling = None  # the served one: the fast step serves it
         number = next(self._numbers)
-        self._queue.append((number, ids.astype(np.int32), max_new_tokens, int(seed)))
+        self._queue.append((number, ids.astype(np.int32), max_new_tokens, int(seed), sampling))
         return number
 
     def cancel(self, request: int) -> None:
@@ -347,8 +375,9 @@ class Server:
         keys, values = self._kv[lane]
         window = (tuple(layer[:blocks] for layer in keys), tuple(layer[:blocks] for layer in values))
         before = self._slots[lane]
+        mixed = any(entry.sampling is not None for entry in held)
         (new_keys, new_values), self._slots[lane], out = _decode(
-            self.model, self.variables, window, before, _rows(keep, self._rows), self.sampling
+            self.model, self.variables, window, before, _rows(keep, self._rows), self.sampling, mixed
         )
         self._kv[lane] = (tuple(new + old[blocks:] for new, old in zip(new_keys, keys, strict=True)),
                           tuple(new + old[blocks:] for new, old in zip(new_values, values, strict=True)))
@@ -411,9 +440,9 @@ class Server:
         while free and self._queue:
             slot = max(free, key=self._lane_room)  # balance the lanes: the free slot of the emptiest lane
             free.remove(slot)
-            number, ids, budget, seed = self._queue.popleft()
-            self._active[slot] = _Active(number, budget, len(ids))
-            joining.append((slot, ids, budget, seed))
+            number, ids, budget, seed, sampling = self._queue.popleft()
+            self._active[slot] = _Active(number, budget, len(ids), sampling)
+            joining.append((slot, ids, budget, seed, sampling))
         for lane, span in enumerate(self._lane_slots):
             entries = [entry for entry in joining if span.start <= entry[0] < span.stop]
             for pack in self._packs(entries, span.start):
@@ -439,12 +468,15 @@ class Server:
             joins = np.zeros(self._rows, bool)
             last, budgets = np.zeros(self._rows, np.int32), np.zeros(self._rows, np.int32)
             keys = np.zeros((self._rows, *self._slots[0].keys.shape[1:]), np.uint32)
+            rules = np.tile(np.asarray(controls(self.sampling), np.float32), (self._rows, 1))
             offset = 0
-            for number, (slot, ids, budget, seed) in enumerate(group, start=1):
+            for number, (slot, ids, budget, seed, sampling) in enumerate(group, start=1):
                 row, end = slot - start, offset + len(ids)
                 tokens[0, offset:end], segments[0, offset:end] = ids, number
                 positions[0, offset:end], rows[0, offset:end] = np.arange(len(ids)), row
                 joins[row], last[row], budgets[row] = True, end - 1, budget
                 keys[row] = jax.random.key_data(jax.random.key(seed))
+                rules[row] = controls(sampling or self.sampling)
                 offset = end
-            yield _Pack(*(jnp.asarray(a) for a in (tokens, segments, positions, rows, joins, last, keys, budgets)))
+            yield _Pack(*(jnp.asarray(a) for a in (tokens, segments, positions, rows, joins, last, keys, budgets,
+                                                    rules)))

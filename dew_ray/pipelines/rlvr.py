@@ -227,6 +227,10 @@ class RLVRPipeline:
             parts = ", ".join(f"{role} {cpus:g}" for role, cpus in demand.items())
             raise PreflightError(f"the run reserves {sum(demand.values()):g} CPUs ({parts}) but the Ray cluster has "
                                  f"{available:g}: lower trainer_cpus, server_cpus or sandbox_cpus, or use fewer actors")
+        gpus = config.servers * config.server_gpus
+        if gpus > ray.cluster_resources().get("GPU", 0):
+            raise PreflightError(f"the run reserves {gpus:g} GPUs for its vLLM servers but the Ray cluster has "
+                                 f"{ray.cluster_resources().get('GPU', 0):g}")
         (self.run_dir / "config.json").write_text(json.dumps({**config.model_dump(), "run_dir": str(self.run_dir)},
                                                              indent=2))
         self.tokenizer = tokenizer = task_tokenizer()
@@ -243,7 +247,8 @@ class RLVRPipeline:
         self.model = decoder(len(tokenizer), max_seq_len=width, engine=config.engine)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
         self.placement = placement = RolePlacement({
-            "trainer": (config.trainers, config.trainer_cpus), "rollout server": (config.servers, config.server_cpus),
+            "trainer": (config.trainers, config.trainer_cpus),
+            "rollout server": (config.servers, config.server_cpus, config.server_gpus),
             "sandbox runner": (config.sandbox_runners, config.sandbox_cpus),
         }, name=f"dew-rlvr-{self.run_dir.resolve().name}")
         self.params = self._warm_params(width, train)
@@ -288,7 +293,7 @@ class RLVRPipeline:
         SafetensorsReload(Pretrained.from_model(self.model), directory, [], "vllm").write(self.params)
         actors, setup.engines = start_vllm_engines(
             directory, self.config.servers, name=ENGINE_MODEL, dtype=self.config.engine_dtype,
-            max_model_len=setup.width, args=["--logprobs-mode", "processed_logprobs"],
+            max_model_len=setup.width, max_num_seqs=self.config.slots, args=["--logprobs-mode", "processed_logprobs"],
             placement=lambda i: self.placement.options("rollout server", i))
         self.pool = engine_rollouts(setup, self.model, version=-1)
         return actors

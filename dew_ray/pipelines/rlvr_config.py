@@ -29,7 +29,8 @@ class RLVRPipelineConfig(RLVRConfig):
     (``servers`` vLLM engines owned by VLLMEngineActors, from the engine environment, drawn
     from through OpenAIRolloutServer and published by SafetensorsReload into
     ``<run_dir>/engine/policy``, a path every engine's node must read); engine_dtype: what
-    vLLM computes in.
+    vLLM computes in; server_gpus: GPUs in each rollout server's bundle (the vLLM engine
+    inherits the actor's CUDA_VISIBLE_DEVICES).
     """
 
     run_dir: str = "runs/rlvr"
@@ -43,6 +44,7 @@ class RLVRPipelineConfig(RLVRConfig):
     checkpoint_every: int = Field(5, ge=1)
     engine: Literal["native", "vllm"] = "native"
     engine_dtype: Literal["float32", "bfloat16"] = "float32"
+    server_gpus: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _roles(self):
@@ -51,6 +53,8 @@ class RLVRPipelineConfig(RLVRConfig):
                              f"trainers={self.trainers}: each trainer process trains on its own share of the tasks")
         if self.prompts is not None and not Path(self.prompts).is_file():
             raise ValueError(f"config field 'prompts' names {self.prompts!r}, which is not a file")
+        if self.server_gpus and self.engine != "vllm":
+            raise ValueError("config field 'server_gpus' needs engine='vllm': the native servers run on CPU here")
         return self
 
     def cpu_demand(self) -> dict[str, float]:
