@@ -67,10 +67,96 @@ def test_chat_goes_through_the_template(front):
     "body, message",
     [({"prompt": [], "max_tokens": 4}, "prompt must be"), ({"prompt": [1, 10_000], "max_tokens": 4}, "outside the vocabulary"),
      ({"prompt": [1, 2], "max_tokens": 100}, "exceeds the cache capacity 64"),
-     ({"prompt": [1, 2], "max_tokens": 4, "temperature": 0.5}, "temperature=0.5 differs from the served sampling"),
+     ({"prompt": [1, 2], "max_tokens": 4, "top_p": 1.5}, "top_p must be"),
+     ({"prompt": [1, 2], "max_tokens": 4, "n": 0}, "n must be an integer from 1 to 64"),
+     ({"prompt": [1, 2], "max_tokens": 4, "logprobs": 50}, "logprobs must be an integer from 0 to 20"),
+     ({"prompt": [1, 2], "max_tokens": 4, "top_k": 5000}, "top_k=5000 exceeds the vocabulary"),
      ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens must be a positive integer")],
 )
 def test_bad_requests_get_400_and_the_server_keeps_serving(front, body, message):
     status, reply = call(front, "/v1/completions", body)
     assert status == 400 and message in reply["error"]["message"]
     assert call(front, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})[0] == 200
+
+
+# ----- the front as a user of the official openai client meets it ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(front):
+    import openai
+
+    return openai.OpenAI(base_url=f"{front.url}/v1", api_key="none", max_retries=0)
+
+
+def test_per_request_sampling_shares_a_batch_and_reports_each_requests_own_likelihood(front):
+    import numpy as np
+
+    server = front.rollout.server
+    asks = [Sampling(temperature=0.5, eos_id=server.sampling.eos_id), Sampling(top_k=3, temperature=1.3),
+            Sampling(top_p=0.8, min_p=0.05), None, Sampling(temperature=0.0)]
+    prompt = [5, 6, 7, 8]
+    futures = [front.rollout.submit(prompt, 6, seed=20 + i, sampling=ask) for i, ask in enumerate(asks)]
+    draws = [f.result(timeout=60) for f in futures]
+    from dew.sampling import filtered_logits
+
+    for ask, draw in zip(asks, draws):
+        ask = ask or server.sampling
+        logits = server.model.apply(server.variables, jnp.asarray([prompt + draw.ids]))[0, len(prompt) - 1:-1]
+        raw = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))
+        np.testing.assert_allclose(draw.old_log_probs, [raw[i, t] for i, t in enumerate(draw.ids)], atol=2e-5)
+        if ask.greedy:
+            assert draw.ids == [int(i) for i in raw.argmax(-1)] and draw.behavior_log_probs == [0.0] * 6
+            continue
+        own = np.asarray(jax.nn.log_softmax(filtered_logits(logits, ask)[0], axis=-1))
+        np.testing.assert_allclose(draw.behavior_log_probs, [own[i, t] for i, t in enumerate(draw.ids)], atol=2e-5)
+    alone = front.rollout.submit(prompt, 6, seed=21, sampling=asks[1]).result(timeout=60)
+    assert alone.ids == draws[1].ids  # a request draws the same alone or beside requests of other Samplings
+
+
+def test_openai_client_completions_with_n_seed_logprobs_and_stop(client, front):
+    reply = client.completions.create(model="dew", prompt=[5, 6, 7, 8], max_tokens=6, n=3, seed=4, temperature=0.9,
+                                      top_p=0.95, logprobs=2, extra_body={"top_k": 10, "return_tokens_as_token_ids": True})
+    assert [c.index for c in reply.choices] == [0, 1, 2] and reply.usage.completion_tokens == 18
+    ids = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in reply.choices]
+    assert len({tuple(i) for i in ids}) > 1  # choice i draws with seed + i
+    for choice in reply.choices:
+        assert len(choice.logprobs.top_logprobs) == 6 and all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+        for token, value, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs,
+                                     choice.logprobs.top_logprobs):
+            assert value <= max(top.values()) + 1e-5  # the drawn token is never likelier than the likeliest
+    again = client.completions.create(model="dew", prompt=[5, 6, 7, 8], max_tokens=6, seed=4, temperature=0.9,
+                                      top_p=0.95, extra_body={"top_k": 10})
+    assert again.choices[0].text == reply.choices[0].text
+    text = reply.choices[0].text
+    if len(text) > 2:
+        cut = client.completions.create(model="dew", prompt=[5, 6, 7, 8], max_tokens=6, seed=4, temperature=0.9,
+                                        top_p=0.95, stop=[text[1:3]], extra_body={"top_k": 10})
+        assert cut.choices[0].text == text[:text.index(text[1:3])] and cut.choices[0].finish_reason == "stop"
+
+
+def test_openai_client_streams_what_it_would_get_whole(client):
+    whole = client.completions.create(model="dew", prompt="Once upon a time", max_tokens=8, seed=7, temperature=0.7)
+    chunks = list(client.completions.create(model="dew", prompt="Once upon a time", max_tokens=8, seed=7,
+                                            temperature=0.7, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason and len(chunks) == 8
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat = client.chat.completions.create(model="dew", messages=messages, max_tokens=8, seed=3, logprobs=True,
+                                          top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(chat.choices[0].model_extra["dew"]["token_ids"]) > 0
+    assert all(1 <= len(entry.top_logprobs) <= 2 and entry.logprob <= 0 for entry in content)
+    streamed = list(client.chat.completions.create(model="dew", messages=messages, max_tokens=8, seed=3, stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+    assert streamed[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+
+
+def test_a_model_that_is_not_served_gets_404(client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="The model `dew-stories` does not exist"):
+        client.completions.create(model="dew-stories", prompt=[1, 2], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature must be"):
+        client.completions.create(model="dew", prompt=[1, 2], max_tokens=2, temperature=-1)
