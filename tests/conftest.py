@@ -68,21 +68,16 @@ def cluster():
     ray.shutdown()
 
 
-TINY_QWEN3 = dict(vocab_size=512, emb_features=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64,
-                  mlp_features=256, max_seq_len=256, qk_norm=True, rope_theta=1e6, tie_embeddings=True)
-
-
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
-    """(Pretrained, variables, directory): a 2-layer Qwen3 (head_dim 64, which vLLM's CPU attention supports),
-    exported in float32 by Pretrained.save."""
+    """(Pretrained, variables, directory): dew.models.presets.TINY_QWEN3, exported in float32 by Pretrained.save."""
     import jax
     import jax.numpy as jnp
 
-    from dew import models
     from dew.models.pretrained import Pretrained
+    from dew.models.presets import tiny_qwen3
 
-    model = models.build("causal_transformer", **TINY_QWEN3)
+    model = tiny_qwen3()
     variables = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
     pretrained = Pretrained.from_model(model)
     directory = tmp_path_factory.mktemp("tiny-qwen3")

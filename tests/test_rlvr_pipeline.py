@@ -120,15 +120,15 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
     assert variables["params"]["embed_tokens"]["embedding"].shape[0] == len(task_tokenizer())
 
 
-def engine_processes(marker: str) -> list[int]:
-    """Live vLLM server processes whose command line names ``marker``."""
+def group_processes(group: int) -> list[int]:
+    """Live processes of process group ``group`` (zombies aside)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            command = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
             continue
-        if entry.name.isdigit() and "vllm.entrypoints.openai.api_server" in command and marker in command:
+        if fields[0] != "Z" and int(fields[2]) == group:
             found.append(int(entry.name))
     return found
 
@@ -147,7 +147,8 @@ def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(
             pipeline.start()
             engine = pipeline._actors[0]
             assert ray.get(engine.healthy.remote())
-            assert engine_processes(str(run)), "the engine actor's vLLM process is not running"
+            group = ray.get(engine.process_group.remote())
+            assert len(group_processes(group)) >= 3  # the guard, vLLM's API server, its engine core and worker
             rows = pipeline.step(4)
             assert [row["step"] for row in rows] == [1, 2, 3, 4]
             assert rows[-1]["scheduler/version"] == 3 and max(row["scheduler/lag"] for row in rows) <= 1
@@ -155,10 +156,10 @@ def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(
             # every push landed: the engine serves the final policy, to float32 agreement with dew
             assert max(pipeline.pool.weights.push.published.values()) < 1e-4
             assert pipeline.pool.version == 4
-        deadline = time.monotonic() + 30  # killing the actor kills its engine
-        while engine_processes(str(run)) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30  # killing the actor (ray.kill, no close) kills every process of its engine
+        while group_processes(group) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not engine_processes(str(run)), "a vLLM process outlived its actor"
+        assert not group_processes(group), f"vLLM processes outlived their actor: {group_processes(group)}"
     finally:
         ray.shutdown()
     assert summary["steps"] == 4 and set(summary["reward_after"]) == {"all", "math", "code"}

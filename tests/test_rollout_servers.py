@@ -30,20 +30,13 @@ from dew.inference import (
     SafetensorsReload,
     VLLMGenerateServer,
 )
-from dew.inference.landing import vllm_prompt_log_probs
+from dew.inference.landing import halved_down_proj, vllm_prompt_log_probs
 from dew.models.pretrained import load_pretrained
 from dew.sampling import Sampling
 
 
 def client_of(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-
-
-def halved_down_proj(variables):
-    changed = copy.deepcopy(variables)
-    kernel = changed["params"]["layers_0"]["mlp"]["down_proj"]["kernel"]
-    changed["params"]["layers_0"]["mlp"]["down_proj"]["kernel"] = kernel * 0.5
-    return changed
 
 
 def as_published(variables):

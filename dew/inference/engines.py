@@ -75,6 +75,22 @@ def build_engine_env(engine: str, python: str = sys.executable, quiet: bool = Tr
     return folder / "bin" / "python"
 
 
+# Runs ``argv[2:]`` in its own process group (the guard leads it) and kills the whole group when the process
+# that started the guard (``argv[1]``) dies; standard library only, so any environment's Python runs it.
+# Ray SIGKILLs an actor's direct children when the actor dies, the guard among them, so the engine's server
+# process also gets SIGTERM when the guard dies, and shuts its engine core and workers down itself.
+GUARD = """
+import ctypes, os, signal, subprocess, sys
+parent = int(sys.argv[1])
+death_signal = lambda: ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+death_signal()
+if os.getppid() != parent:  # it died before the line above took effect
+    os.killpg(0, signal.SIGKILL)
+sys.exit(subprocess.Popen(sys.argv[2:], preexec_fn=death_signal).wait())
+"""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
@@ -87,19 +103,19 @@ class VLLMEngine:
     ``dtype`` is what vLLM computes in; ``args`` adds engine flags (for example
     ``["--logprobs-mode", "processed_logprobs"]``). On CPU the KV cache takes
     ``kv_cache_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and ``--gpu-memory-utilization`` is the
-    share of host memory vLLM may reserve. At most ``max_num_seqs`` requests run at once,
+    share of host memory vLLM may reserve. The engine runs under a guard in a process group of
+    its own (:data:`GUARD`): when the process that started it dies, even by SIGKILL, the guard
+    is told by the kernel (``PR_SET_PDEATHSIG``) and kills the group, vLLM's engine-core and
+    worker processes with it; ``close`` kills the group too. At most ``max_num_seqs`` requests run at once,
     and the step's token budget holds all of them at ``max_model_len``: vllm-cpu 0.32 crashes
     ("CPU Generator does not use offset", ``gpu_model_runner._bookkeeping_sync``) when it
     splits the prefill of a seeded request, which it does once prompts exceed the budget.
-    ``preexec`` runs in the engine's process before
-    it starts (the Ray actor uses it to tie the engine's life to its own).
     """
 
     def __init__(self, model, *, name: str = "dew", port: int | None = None, host: str = "127.0.0.1",
                  dtype: str = "float32", max_model_len: int = 256, max_num_seqs: int = 64, args: Sequence[str] = (),
                  python: str | Path | None = None, kv_cache_gib: int = 1, memory_share: float = 0.2,
-                 log: str | Path | None = None, startup_timeout: float = 300.0, env: dict | None = None,
-                 preexec=None):
+                 log: str | Path | None = None, startup_timeout: float = 300.0, env: dict | None = None):
         python = python or engine_python("vllm")
         if python is None:
             raise FileNotFoundError(
@@ -119,8 +135,8 @@ class VLLMEngine:
                        **(env or {})}
         self.command = command
         self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=environment,
-                                        start_new_session=True, preexec_fn=preexec)
+        self.process = subprocess.Popen([str(python), "-c", GUARD, str(os.getpid()), *command], stdout=self._log,
+                                        stderr=subprocess.STDOUT, env=environment, start_new_session=True)
         try:
             self._wait(startup_timeout)
         except BaseException:

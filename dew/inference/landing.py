@@ -43,6 +43,15 @@ class LandingError(EngineError):
     """A replica does not serve the weights the trainer just published."""
 
 
+def halved_down_proj(variables, layer: int = 0):
+    """``variables`` with one layer's MLP down projection halved: the change README's landing-check figures
+    measure the check against (a copy; ``variables`` is left alone)."""
+    changed = jax.tree.map(lambda x: x, variables)  # new containers, shared leaves
+    mlp = changed["params"][f"layers_{layer}"]["mlp"]
+    mlp["down_proj"] = {**mlp["down_proj"], "kernel": np.asarray(mlp["down_proj"]["kernel"]) * 0.5}
+    return changed
+
+
 def probe_ids(vocab_size: int, length: int = PROBE_LENGTH, seed: int = 0) -> list[int]:
     """A fixed probe: ``length`` ids drawn once from ``seed`` (the same every push and every run)."""
     return np.random.default_rng(seed).integers(0, vocab_size, length).tolist()

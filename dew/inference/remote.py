@@ -40,7 +40,20 @@ from dew.sampling import Sampling
 from dew.validation import positive_int
 
 
-class EngineRolloutServer(RolloutServer):
+class PublishedRolloutServer(RolloutServer):
+    """A RolloutServer whose weights and version are another publisher's (``self.weights``)."""
+
+    weights: WeightPublisher
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    def load(self, variables, version: int) -> None:
+        self.weights.load(variables, version)
+
+
+class EngineRolloutServer(PublishedRolloutServer):
     """A RolloutServer over an engine in another process (see the module docstring).
 
     Subclasses give ``_draw(prompt, max_new_tokens, seed, version) -> Draw``, run on one
@@ -61,13 +74,6 @@ class EngineRolloutServer(RolloutServer):
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.in_flight = 0
-
-    @property
-    def version(self) -> int:
-        return self.weights.version
-
-    def load(self, variables, version: int) -> None:
-        self.weights.load(variables, version)
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
         if self._closed.is_set():
@@ -127,7 +133,7 @@ class EngineRolloutServer(RolloutServer):
                     version=version, finish_reason=reason, support=support, routed_experts=routed_experts)
 
 
-class EnginePool(RolloutServer):
+class EnginePool(PublishedRolloutServer):
     """Draws spread over replicas that share one publisher: the replica with the fewest draws in flight
     takes the next; ``load`` publishes once, through that publisher, to all of them."""
 
@@ -140,13 +146,6 @@ class EnginePool(RolloutServer):
             raise ValueError("every replica of an EnginePool must share one publisher (its weights), "
                              "so one push serves them all and the version is one")
         self._owner: dict[int, EngineRolloutServer] = {}
-
-    @property
-    def version(self) -> int:
-        return self.weights.version
-
-    def load(self, variables, version: int) -> None:
-        self.weights.load(variables, version)
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
         server = min(self.servers, key=lambda s: s.in_flight)

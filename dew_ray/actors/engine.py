@@ -5,8 +5,8 @@ the engine environment) on the node Ray places the actor on, with the actor's re
 Ray sets the GPUs the actor holds in its environment (``CUDA_VISIBLE_DEVICES``), which the
 engine inherits, and on CPU the engine's threads are bounded by the actor's CPUs. The
 engine is health-checked (``healthy``), and killed with the actor: ``close`` kills its
-process group, and the engine process gets SIGKILL when the actor's process dies
-(``PR_SET_PDEATHSIG``), so a killed actor leaves no engine behind.
+process group, and so does the engine's guard when the actor's process dies
+(``VLLMEngine``'s ``PR_SET_PDEATHSIG`` guard), so a killed actor leaves no engine process behind.
 ``VLLMEngineActor = ray.remote(VLLMEngineHost)``.
 
 Draws do not pass through the actor: :func:`vllm_rollouts` builds, in whatever process
@@ -19,8 +19,6 @@ directory the engines were launched on.
 
 from __future__ import annotations
 
-import ctypes
-import signal
 from collections.abc import Sequence
 
 import openai
@@ -38,14 +36,6 @@ from dew.models.pretrained import Pretrained
 from dew.sampling import Sampling
 from dew.validation import positive_int
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the engine's process before exec: SIGKILL when the process that started it dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class VLLMEngineHost:
     """A vLLM server process on this node (see the module docstring); ``url()`` is its root."""
 
@@ -57,12 +47,13 @@ class VLLMEngineHost:
         # The engine is reached from other nodes' trainers: listen on this node's address unless told otherwise.
         host = host or (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
         self.engine = VLLMEngine(model, name=name, dtype=dtype, max_model_len=max_model_len, args=args, env=env,
-                                 host=host, preexec=_die_with_parent, **options)
+                                 host=host, **options)
 
     def url(self) -> str:
         return self.engine.url
 
-    def pid(self) -> int:
+    def process_group(self) -> int:
+        """The engine's process group (its guard leads it): every vLLM process of this engine is in it."""
         return self.engine.process.pid
 
     def healthy(self) -> bool:
