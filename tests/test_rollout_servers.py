@@ -398,3 +398,23 @@ def test_on_two_trainer_processes_one_publishes_and_both_agree_on_the_outcome(st
     assert first["second"].startswith("EngineError:") and "disk full" in first["second"]
     assert second["second"].startswith("RuntimeError: the safetensors reload of version 2 failed on process 0 of 2")
     assert first["version"] == second["version"] == 1  # the failed push moved neither process's version
+
+
+def test_a_rollout_server_actor_host_checks_each_load_it_is_sent(tiny_qwen3):
+    import asyncio
+
+    from dew.inference import ServingTask
+    from dew_ray.actors import RolloutServerHost
+
+    pretrained, variables, _ = tiny_qwen3
+    model = pretrained.model()
+    check = LandingCheck(model, served_dtype="float32", published_dtype="float32")
+    host = RolloutServerHost(ServingTask(model, variables, Sampling()), slots=2, capacity=64, landing=check)
+    try:
+        assert asyncio.run(host.load(halved_down_proj(variables), 1)) == 1  # what a WeightBroadcast calls
+        host.rollout.server.reload = lambda new: None  # a copy that stops taking new weights
+        with pytest.raises(LandingError, match="the native server: does not serve the published weights"):
+            asyncio.run(host.load(variables, 2))
+        assert asyncio.run(host.version()) == 1
+    finally:
+        asyncio.run(host.close())

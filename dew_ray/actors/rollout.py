@@ -26,7 +26,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import ray
 from ray.exceptions import RayActorError
 
-from dew.inference import Draw, DrawFuture, NativeRolloutServer, OpenAIFront, RolloutServer, Server, ServingTask
+from dew.inference import (
+    Draw,
+    DrawFuture,
+    LandingCheck,
+    NativeRolloutServer,
+    OpenAIFront,
+    RolloutServer,
+    Server,
+    ServingTask,
+)
 from dew_ray.weights import WeightBroadcast
 from dew.validation import positive_int
 
@@ -35,13 +44,14 @@ class RolloutServerHost:
     """A NativeRolloutServer in its own process; ``RolloutServerActor`` is this class as a Ray actor.
 
     ``http=True`` also starts the OpenAI-compatible front on ``host`` (loopback by
-    default); ``url()`` returns its address.
+    default); ``url()`` returns its address. ``landing``: a LandingCheck every load must pass
+    (a WeightBroadcast to these actors then fails naming the actor whose copy does not match).
     """
 
     def __init__(self, task: ServingTask, slots: int, capacity: int, lanes: int = 1, version: int = 0,
-                 http: bool = False, tokenizer=None, host: str = "127.0.0.1"):
+                 http: bool = False, tokenizer=None, host: str = "127.0.0.1", landing: LandingCheck | None = None):
         self.rollout = NativeRolloutServer(Server.from_task(task, slots=slots, capacity=capacity, lanes=lanes),
-                                           version=version)
+                                           version=version, landing=landing)
         self._draws: dict[str, DrawFuture] = {}
         self._cancelled: set[str] = set()
         self.front = None
