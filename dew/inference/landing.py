@@ -78,14 +78,14 @@ class LandingCheck:
             raise ValueError(f"probe ids must be below the vocabulary size {model.vocab_size}, got {max(self.probe)}")
         self.served_dtype, self.published_dtype = served_dtype, published_dtype
         self.tolerance = positive("tolerance", tolerance) if tolerance is not None else TOLERANCE[served_dtype]
-        self._score = jax.jit(lambda variables, ids: _prompt_log_probs(model, variables, ids))
+        self._score = jax.jit(_prompt_log_probs, static_argnums=0)  # compiled once per (model, dtypes)
 
     def expected(self, variables) -> np.ndarray:
         """The trainer's log-probabilities of ``probe[1:]`` under ``variables`` as published."""
         dtype = jnp.bfloat16 if self.published_dtype == "bfloat16" else jnp.float32
         published = jax.tree.map(lambda x: jnp.asarray(x).astype(dtype).astype(jnp.float32)
                                  if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) else x, variables)
-        return np.asarray(self._score(published, jnp.asarray([self.probe], jnp.int32)))
+        return np.asarray(self._score(self.model, published, jnp.asarray([self.probe], jnp.int32)))
 
     def compare(self, replica: str, served: Sequence[float], expected: np.ndarray) -> float:
         """The largest difference; raises LandingError when it is beyond the tolerance."""
@@ -104,8 +104,7 @@ class LandingCheck:
 
     def served(self, model, variables) -> np.ndarray:
         """The probe's log-probabilities under a served copy (``model`` and ``variables`` in the served dtype)."""
-        return np.asarray(jax.jit(lambda v, ids: _prompt_log_probs(model, v, ids))(
-            variables, jnp.asarray([self.probe], jnp.int32)))
+        return np.asarray(self._score(model, variables, jnp.asarray([self.probe], jnp.int32)))
 
     def verify(self, replicas: Sequence[str], scorer: Callable[[str, list[int]], list[float]], variables) -> dict:
         """Score the probe on every replica and compare; ``{replica: largest difference}``."""

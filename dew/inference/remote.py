@@ -128,7 +128,7 @@ class EngineRolloutServer(PublishedRolloutServer):
             raise EngineError(f"{self.url}: the engine reported log-probabilities that are not finite and <= 0: {bad[:5]}")
         eos_ids = self.sampling.eos_ids
         eos = finish_reason == "stop" and (not eos_ids or bool(ids and ids[-1] in eos_ids))
-        reason = "stop" if eos else "length" if finish_reason == "length" else "stop" if finish_reason == "stop" else "abort"
+        reason = finish_reason if finish_reason in ("stop", "length") else "abort"
         return Draw(ids=ids, behavior_log_probs=[float(p) for p in log_probs], old_log_probs=None, eos=eos,
                     version=version, finish_reason=reason, support=support, routed_experts=routed_experts)
 
