@@ -1,5 +1,4 @@
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,8 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from dew.inference.engines import free_port  # noqa: E402 (after the environment above); tests import it from here
+
 
 def run_python(code: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (own XLA flags, own JAX backend) and fail on a non-zero exit."""
@@ -24,12 +25,6 @@ def run_python(code: str, *args: str, env: dict | None = None, timeout: float = 
     if result.returncode != 0:
         raise AssertionError(f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -91,7 +86,7 @@ def vllm_engine(tiny_qwen3, tmp_path_factory):
     and the token route, launched on the tiny Qwen3 as SafetensorsReload.write leaves it (bfloat16 files).
     The engine environment is built if it is missing (`.ci/run` builds it first); a failed build or start
     fails the tests that need it."""
-    from dew.inference.engines import VLLMEngine, build_engine_env, engine_python, free_port
+    from dew.inference.engines import VLLMEngine, build_engine_env, engine_python
     from dew.inference.reload import SafetensorsReload
 
     pretrained, variables, _ = tiny_qwen3

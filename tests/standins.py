@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.inference.http import write_json
 from dew.models.pretrained import load_pretrained
 
 
@@ -116,12 +117,7 @@ class StandIn:
             status, reply = (200, route(body, handler.path)) if route else (404, {"detail": "Not Found"})
             if isinstance(reply, tuple):
                 status, reply = reply
-        data = json.dumps(reply).encode()
-        handler.send_response(status)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        handler.wfile.write(data)
+        write_json(handler, status, reply)
 
     def draw(self, prompt: list[int], params: dict, report_filtered: bool):
         """Sample as the engine would: ids, reported log-probs, kept ids per token, finish reason."""

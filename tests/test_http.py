@@ -84,9 +84,9 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(front, body, message)
 
 @pytest.fixture(scope="module")
 def client(front):
-    import openai
+    from dew.inference import engine_client
 
-    return openai.OpenAI(base_url=f"{front.url}/v1", api_key="none", max_retries=0)
+    return engine_client(front.url)
 
 
 def test_per_request_sampling_shares_a_batch_and_reports_each_requests_own_likelihood(front):

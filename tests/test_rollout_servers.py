@@ -16,7 +16,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import openai
 import pytest
 from standins import SGLangStandIn, VLLMStandIn
 
@@ -29,14 +28,11 @@ from dew.inference import (
     Publication,
     SafetensorsReload,
     VLLMGenerateServer,
+    engine_client,
 )
 from dew.inference.landing import halved_down_proj, vllm_prompt_log_probs
 from dew.models.pretrained import load_pretrained
 from dew.sampling import Sampling
-
-
-def client_of(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
 
 def as_published(variables):
@@ -67,7 +63,7 @@ def vllm(vllm_engine, tiny_qwen3):
 def test_vllm_completions_return_sampled_ids_and_processed_log_probs(vllm_engine, vllm, tiny_qwen3):
     pretrained, variables, _ = tiny_qwen3
     _, publication = vllm
-    completion = OpenAICompletion("tiny-qwen3", client_of(vllm_engine.url))
+    completion = OpenAICompletion("tiny-qwen3", engine_client(vllm_engine.url))
     server = OpenAIRolloutServer(completion, Sampling(temperature=0.7), publication, processed_logprobs=True)
     prompt = [5, 17, 300, 42]
     draw = server.submit(prompt, 6, seed=3).result(timeout=120)
@@ -87,7 +83,7 @@ def test_vllm_completions_return_sampled_ids_and_processed_log_probs(vllm_engine
 
 
 def test_completion_records_each_choice_for_rows_of_ids(vllm_engine):
-    completion = OpenAICompletion("tiny-qwen3", client_of(vllm_engine.url))
+    completion = OpenAICompletion("tiny-qwen3", engine_client(vllm_engine.url))
     answer = completion.create([[1, 2, 3], [4, 5]], max_tokens=3, n=2, logprobs=0, seed=1, temperature=1.0)
     assert [c.index for c in answer.choices] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == len(c.log_probs) == 3 for c in answer.choices)
@@ -97,15 +93,15 @@ def test_completion_records_each_choice_for_rows_of_ids(vllm_engine):
 
 def test_vllm_refusals_name_the_engine_and_the_rule(vllm_engine, vllm):
     _, publication = vllm
-    completion = OpenAICompletion("tiny-qwen3", client_of(vllm_engine.url))
+    completion = OpenAICompletion("tiny-qwen3", engine_client(vllm_engine.url))
     with pytest.raises(ValueError, match=r"127\.0\.0\.1.*top_k=5.*VLLMGenerateServer"):
         OpenAIRolloutServer(completion, Sampling(top_k=5), publication, processed_logprobs=True)
     with pytest.raises(ValueError, match=r"raw model log-probabilities.*processed_logprobs=True"):
         OpenAIRolloutServer(completion, Sampling(temperature=0.7), publication)
-    wrong = OpenAIRolloutServer(OpenAICompletion("dew", client_of(vllm_engine.url)), Sampling(), publication)
+    wrong = OpenAIRolloutServer(OpenAICompletion("dew", engine_client(vllm_engine.url)), Sampling(), publication)
     with pytest.raises(EngineError, match=r"127\.0\.0\.1.*does not serve model 'dew'.*tiny-qwen3"):
         wrong.submit([1, 2], 2).result(timeout=60)
-    gone = OpenAIRolloutServer(OpenAICompletion("tiny-qwen3", client_of("http://127.0.0.1:9")), Sampling(), publication)
+    gone = OpenAIRolloutServer(OpenAICompletion("tiny-qwen3", engine_client("http://127.0.0.1:9")), Sampling(), publication)
     with pytest.raises(EngineError, match=r"127\.0\.0\.1:9.*failed"):
         gone.submit([1, 2], 2).result(timeout=60)
     with pytest.raises(ValueError, match=r"prompt_ids\[1\]"):
@@ -169,7 +165,7 @@ def test_vllm_cpu_reload_leaves_tied_embeddings_stale_and_the_landing_check_refu
 def test_a_draw_in_flight_across_a_push_keeps_its_submission_version(vllm_engine, vllm, tiny_qwen3):
     _, variables, _ = tiny_qwen3
     _, publication = vllm
-    server = OpenAIRolloutServer(OpenAICompletion("tiny-qwen3", client_of(vllm_engine.url)), Sampling(), publication)
+    server = OpenAIRolloutServer(OpenAICompletion("tiny-qwen3", engine_client(vllm_engine.url)), Sampling(), publication)
     start = publication.version
     long = server.submit([3, 1, 4, 1, 5], 200, seed=1)
     time.sleep(0.3)  # the request is at the engine
@@ -268,7 +264,7 @@ def test_sglang_completions_wire_format_and_refusals(standin_directory, tiny_qwe
     pretrained, variables, _ = tiny_qwen3
     with SGLangStandIn(standin_directory) as engine:
         publication = reloading(engine, pretrained, "sglang")
-        completion = OpenAICompletion("tiny-qwen3", client_of(engine.url), provider="sglang")
+        completion = OpenAICompletion("tiny-qwen3", engine_client(engine.url), provider="sglang")
         server = OpenAIRolloutServer(completion, Sampling(temperature=0.6, eos_id=(500, 501)), publication)
         prompt = [11, 12, 13]
         draw = server.submit(prompt, 4, seed=5).result(timeout=60)
@@ -283,7 +279,7 @@ def test_sglang_completions_wire_format_and_refusals(standin_directory, tiny_qwe
                 OpenAIRolloutServer(completion, refused, publication)
         with pytest.raises(ValueError, match="routing=True reads vLLM"):
             OpenAIRolloutServer(completion, Sampling(), publication, routing=True)
-        vllm_reader = OpenAICompletion("tiny-qwen3", client_of(engine.url), provider="vllm")
+        vllm_reader = OpenAICompletion("tiny-qwen3", engine_client(engine.url), provider="vllm")
         with pytest.raises(EngineError, match="without token ids|not 'token_id:<id>'"):
             OpenAIRolloutServer(vllm_reader, Sampling(), publication).submit(prompt, 2).result(timeout=60)
 

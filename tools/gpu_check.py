@@ -36,7 +36,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import openai
 
 from dew.inference import (
     LandingError,
@@ -46,6 +45,7 @@ from dew.inference import (
     SafetensorsReload,
     VLLMEngine,
     VLLMGenerateServer,
+    engine_client,
 )
 from dew.inference.engines import free_port
 from dew.inference.landing import SCORERS, halved_down_proj
@@ -53,10 +53,6 @@ from dew.inference.wire import EngineError, call
 from dew.models.presets import tiny_qwen3
 from dew.models.pretrained import Pretrained
 from dew.sampling import Sampling
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-
 
 def check_vllm(python: str, pretrained, variables, work: Path, results: dict) -> None:
     directory, port = work / "vllm-policy", free_port()
@@ -66,7 +62,7 @@ def check_vllm(python: str, pretrained, variables, work: Path, results: dict) ->
                     args=["--logprobs-mode", "processed_logprobs", "--enable-scale-out",
                           "--return-sampling-mask"]) as engine:
         publication = Publication(push)
-        server = OpenAIRolloutServer(OpenAICompletion("tiny", client(engine.url)), Sampling(temperature=0.7),
+        server = OpenAIRolloutServer(OpenAICompletion("tiny", engine_client(engine.url)), Sampling(temperature=0.7),
                                      publication, processed_logprobs=True)
         prompt = [5, 17, 300, 42]
         draw = server.submit(prompt, 8, seed=3).result(timeout=120)
@@ -113,7 +109,7 @@ def check_sglang(python: str, pretrained, variables, work: Path, results: dict) 
             except EngineError:
                 time.sleep(2)
         publication = Publication(push)
-        server = OpenAIRolloutServer(OpenAICompletion("tiny", client(url), provider="sglang"),
+        server = OpenAIRolloutServer(OpenAICompletion("tiny", engine_client(url), provider="sglang"),
                                      Sampling(temperature=0.7), publication)
         draw = server.submit([5, 17, 300, 42], 8, seed=3).result(timeout=120)
         report(results, "sglang completions: sampled ids and log-probabilities", len(draw.ids), len(draw.ids) == 8)

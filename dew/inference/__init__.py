@@ -10,7 +10,13 @@ from dew.inference.engines import VLLMEngine, engine_python
 from dew.inference.generation import Generation, TextGeneration
 from dew.inference.http import OpenAIFront
 from dew.inference.landing import LandingCheck, LandingError
-from dew.inference.openai_server import Completion, CompletionChoice, OpenAICompletion, OpenAIRolloutServer
+from dew.inference.openai_server import (
+    Completion,
+    CompletionChoice,
+    OpenAICompletion,
+    OpenAIRolloutServer,
+    engine_client,
+)
 from dew.inference.publisher import WeightPublisher
 from dew.inference.reload import Publication, SafetensorsReload
 from dew.inference.remote import EnginePool, EngineRolloutServer, VLLMGenerateServer
@@ -22,5 +28,5 @@ __all__ = [
     "Completion", "CompletionChoice", "Draw", "DrawFuture", "EngineError", "EnginePool", "EngineRolloutServer",
     "Finished", "Generation", "LandingCheck", "LandingError", "NativeRolloutServer", "OpenAICompletion", "OpenAIFront",
     "OpenAIRolloutServer", "Publication", "RolloutServer", "SafetensorsReload", "Server", "ServingTask",
-    "TextGeneration", "VLLMEngine", "VLLMGenerateServer", "WeightPublisher", "engine_python",
+    "TextGeneration", "VLLMEngine", "VLLMGenerateServer", "WeightPublisher", "engine_client", "engine_python",
 ]

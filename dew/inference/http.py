@@ -152,12 +152,7 @@ class OpenAIFront:
             handler.wfile.write(b"data: [DONE]\n\n")
             handler.wfile.flush()
             return
-        data = json.dumps(reply).encode()
-        handler.send_response(status)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        handler.wfile.write(data)
+        write_json(handler, status, reply)
 
     # ----- what a request asks for -----------------------------------------------------------
 
@@ -315,6 +310,16 @@ class OpenAIFront:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+
+def write_json(handler: BaseHTTPRequestHandler, status: int, reply) -> None:
+    """Answer one request with ``reply`` as JSON."""
+    data = json.dumps(reply).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def _cut(text: str, stop: tuple[str, ...], reason: str) -> tuple[str, str]:

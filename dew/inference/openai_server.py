@@ -39,6 +39,7 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
+import openai
 
 from dew.inference.publisher import WeightPublisher
 from dew.inference.remote import EngineRolloutServer, decode_routed_experts, sampling_params
@@ -49,6 +50,12 @@ from dew.sampling import Sampling
 from dew.validation import one_of
 
 PROVIDERS = ("vllm", "sglang")
+
+
+def engine_client(url: str):
+    """The official ``openai`` client for an engine's root URL (``http://host:port``): no key, no retries
+    (a failed request is the rollout's to report, not the client's to repeat)."""
+    return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key="none", max_retries=0)
 ID_FIELD = {"vllm": "return_tokens_as_token_ids", "sglang": "return_token_ids"}
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import openai
 import ray
 
 from dew.inference import (
@@ -31,6 +30,7 @@ from dew.inference import (
     Publication,
     SafetensorsReload,
     VLLMEngine,
+    engine_client,
 )
 from dew.models.pretrained import Pretrained
 from dew.sampling import Sampling
@@ -92,7 +92,6 @@ def vllm_rollouts(pretrained: Pretrained, directory: str, urls: Sequence[str], s
     publication = Publication(SafetensorsReload(pretrained, directory, list(urls), "vllm", served_dtype=served_dtype),
                               version=version)
     return EnginePool([
-        OpenAIRolloutServer(OpenAICompletion(name, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)),
-                            sampling, publication, processed_logprobs=True)
+        OpenAIRolloutServer(OpenAICompletion(name, engine_client(url)), sampling, publication, processed_logprobs=True)
         for url in urls
     ])
