@@ -24,6 +24,16 @@ Followed, route by route:
   ``/reset_prefix_cache`` answering ``{"success": bool}``, ``/update_weight_version``,
   ``/resume``), plus ``/v1/completions`` with ``prompt_logprobs`` for the landing probe.
 
+- vLLM 0.32's NCCL weight transfer (``entrypoints/rl/online/api_router.py``,
+  ``distributed/weight_transfer/nccl_engine.py``, ``nccl_common.py``, ``packed_tensor.py``):
+  :class:`NCCLVLLMStandIn` answers ``/server_info`` (``system_env.pip_packages`` and
+  ``vllm_config.parallel_config``), ``/init_weight_transfer_engine`` (the unique-id init info,
+  checked as vLLM checks it, blocking until the trainer joins), ``/start_weight_update``,
+  ``/update_weights`` (receiving packed chunks cut by ``packed_nccl_broadcast_consumer``'s rule)
+  and ``/finish_weight_update`` (loading what arrived). NCCL between GPUs cannot run here, so
+  :class:`Fabric` carries the broadcast in-process and :class:`FabricSender` is the trainer's
+  rank 0 with :class:`~dew.inference.nccl.NCCLSender`'s methods, recording every chunk.
+
 ``fail`` makes the next matching route fail the way the engine reports it
 (``{"route": "/reset_prefix_cache", "status": 200, "body": {"success": false}}``, with
 ``"after": n`` to let n matching calls through first); every call is appended to ``calls``.
@@ -34,12 +44,21 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
+import os
+import queue
+import shutil
+import tempfile
 import threading
+import time
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
 from dew.inference.http import write_json
 from dew.models.pretrained import load_pretrained
@@ -242,3 +261,128 @@ class VLLMStandIn(StandIn):
             "logprobs": {"content": [{"token_id": t, "logprob": p, "rank": 1, "top_logprobs": []}
                                      for t, p in zip(ids, reported)]},
         }]}
+
+
+class Fabric:
+    """NCCL between GPUs, stood in for within one process: each group is a queue of chunks, in broadcast order."""
+
+    def __init__(self):
+        self.groups: dict[bytes, queue.Queue] = {}
+        self.joined: dict[bytes, threading.Event] = {}
+        self.aborted: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def group(self, unique_id: bytes) -> tuple[queue.Queue, threading.Event]:
+        with self._lock:
+            self.groups.setdefault(unique_id, queue.Queue())
+            return self.groups[unique_id], self.joined.setdefault(unique_id, threading.Event())
+
+
+class FabricSender:
+    """The trainer's rank 0 over a :class:`Fabric`, with NCCLSender's methods; ``chunks`` records every send."""
+
+    def __init__(self, fabric: Fabric, version: str = "2.32.3", timeout: float = 30.0):
+        self.fabric, self._version, self.timeout = fabric, version, timeout
+        self.chunks: list[int] = []
+        self.aborted: list[bytes] = []
+        self._ids: dict[int, bytes] = {}
+
+    def version(self) -> str:
+        return self._version
+
+    def unique_id(self) -> bytes:
+        return os.urandom(128)
+
+    def join(self, unique_id: bytes, world_size: int) -> int:
+        _, joined = self.fabric.group(unique_id)
+        if not joined.wait(self.timeout):  # ncclCommInitRank waits for every rank
+            raise TimeoutError("no engine joined the group")
+        handle = len(self._ids) + 1
+        self._ids[handle] = unique_id
+        return handle
+
+    def send(self, communicators: list[int], chunk: np.ndarray) -> None:
+        self.chunks.append(chunk.nbytes)
+        for communicator in communicators:
+            self.fabric.group(self._ids[communicator])[0].put(chunk.tobytes())
+
+    def drain(self, communicators: list[int]) -> None:
+        deadline = time.monotonic() + self.timeout
+        for communicator in communicators:
+            pending = self.fabric.group(self._ids[communicator])[0]
+            while pending.unfinished_tasks:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("a receiver never took its chunks")
+                time.sleep(0.005)
+
+    def abort(self, communicator: int) -> None:
+        self.aborted.append(self._ids[communicator])
+        self.fabric.aborted.add(self._ids[communicator])
+
+
+class NCCLVLLMStandIn(VLLMStandIn):
+    """A vLLM launched with ``--weight-transfer-config '{"backend": "nccl"}'`` (see the module docstring)."""
+
+    def __init__(self, directory, fabric: Fabric, nccl: str | None = "2.32.3", workers: int = 1, **kwargs):
+        self.fabric, self.nccl, self.workers = fabric, nccl, workers
+        self.unique_id: bytes | None = None
+        self._received: dict[str, np.ndarray] = {}
+        super().__init__(directory, **kwargs)
+
+    def routes(self):
+        return {**super().routes(),
+                ("GET", "/server_info"): self._server_info,
+                ("POST", "/init_weight_transfer_engine"): self._init,
+                ("POST", "/start_weight_update"): lambda body, path: {"message": "Weight update started"},
+                ("POST", "/update_weights"): self._update,
+                ("POST", "/finish_weight_update"): self._finish}
+
+    def _server_info(self, body, path):
+        packages = "numpy==2.3.5\ntorch==2.10.0" + (f"\nnvidia-nccl-cu12=={self.nccl}" if self.nccl else "")
+        return {"vllm_config": {"parallel_config": {"tensor_parallel_size": self.workers, "pipeline_parallel_size": 1,
+                                                    "data_parallel_size": 1}},
+                "vllm_env": {}, "system_env": {"pip_packages": packages}}
+
+    def _init(self, body, path):
+        info = body["init_info"]
+        unique_id = base64.b64decode(info["nccl_unique_id_b64"], validate=True)  # standard base64, as vLLM requires
+        if len(unique_id) != 128 or info["rank_offset"] != 1 or info["world_size"] != self.workers + 1:
+            return 500, {"error": f"bad init_info {info}"}
+        self.unique_id, self.packed_bytes = unique_id, info["packed_buffer_size_bytes"]
+        self.fabric.group(unique_id)[1].set()
+        return {"message": "Weight transfer initialized"}
+
+    def _update(self, body, path):
+        info = body["update_info"]
+        chunks, _ = self.fabric.group(self.unique_id)
+        received, names, size = {}, [], 0
+        entries = list(zip(info["names"], info["dtype_names"], info["shapes"]))
+        for index, (name, dtype, shape) in enumerate(entries):  # packed_nccl_broadcast_consumer's cut
+            names.append((name, np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype), shape))
+            size += math.prod(shape) * names[-1][1].itemsize
+            if size > self.packed_bytes or index == len(entries) - 1:
+                try:
+                    data = chunks.get(timeout=30)
+                except queue.Empty:
+                    return 500, {"error": "no chunk arrived"}
+                chunks.task_done()
+                if len(data) != size:
+                    return 500, {"error": f"a chunk of {len(data)} bytes where {size} were expected"}
+                offset = 0
+                for entry, kind, dims in names:
+                    count = math.prod(dims) * kind.itemsize
+                    received[entry] = np.frombuffer(data[offset: offset + count], kind).reshape(dims)
+                    offset += count
+                names, size = [], 0
+        self._received = received
+        return {"message": "Weights updated"}
+
+    def _finish(self, body, path):
+        staging = Path(tempfile.mkdtemp(prefix="nccl-standin-"))
+        try:
+            shutil.copy(Path(self.directory) / "config.json", staging / "config.json")
+            save_file(self._received, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            self._load(str(staging))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return {"message": "Weight update finished"}

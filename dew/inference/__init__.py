@@ -2,14 +2,15 @@
 
 Native: :class:`Server` and :class:`NativeRolloutServer`. Remote: :class:`OpenAIRolloutServer`
 (vLLM or SGLang ``/v1/completions``) and :class:`VLLMGenerateServer` (vLLM's token route).
-Publishing to remote engines: :class:`SafetensorsReload` as the push of a :class:`Publication`,
-checked by a :class:`LandingCheck`. :class:`VLLMEngine` starts a real vLLM from its own environment.
+Publishing to remote engines: :class:`SafetensorsReload` (through the disk) or :class:`NCCLPush`
+(by NCCL broadcast) as the push of a :class:`Publication`, checked by a :class:`LandingCheck`. :class:`VLLMEngine` starts a real vLLM from its own environment.
 """
 
 from dew.inference.engines import VLLMEngine, engine_python
 from dew.inference.generation import Generation, TextGeneration
 from dew.inference.http import OpenAIFront
 from dew.inference.landing import LandingCheck, LandingError
+from dew.inference.nccl_push import NCCLPush
 from dew.inference.openai_server import (
     Completion,
     CompletionChoice,
@@ -26,7 +27,7 @@ from dew.inference.wire import EngineError
 
 __all__ = [
     "Completion", "CompletionChoice", "Draw", "DrawFuture", "EngineError", "EnginePool", "EngineRolloutServer",
-    "Finished", "Generation", "LandingCheck", "LandingError", "NativeRolloutServer", "OpenAICompletion", "OpenAIFront",
+    "Finished", "Generation", "LandingCheck", "LandingError", "NCCLPush", "NativeRolloutServer", "OpenAICompletion", "OpenAIFront",
     "OpenAIRolloutServer", "Publication", "RolloutServer", "SafetensorsReload", "Server", "ServingTask",
     "TextGeneration", "VLLMEngine", "VLLMGenerateServer", "WeightPublisher", "engine_client", "engine_python",
 ]

@@ -37,6 +37,13 @@ RECIPES = {
         "remove": ["torchvision", "torchaudio", "torchcodec"],
         "probe": "import vllm.entrypoints.openai.api_server",
     },
+    # The recording gateway agentic runs put in front of an engine (dew attaches to it; the tests start one).
+    "gateway": {
+        "folder": "rllm-model-gateway-0.1.0",
+        "install": ["rllm-model-gateway==0.1.0"],
+        "remove": [],
+        "probe": "import rllm_model_gateway.server",
+    },
 }
 
 
@@ -69,7 +76,8 @@ def build_engine_env(engine: str, python: str = sys.executable, quiet: bool = Tr
     subprocess.run([python, "-m", "venv", str(folder)], check=True)
     pip = [str(folder / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", *(["--quiet"] if quiet else [])]
     subprocess.run([*pip, "install", *recipe["install"]], check=True)
-    subprocess.run([*pip, "uninstall", "-y", *recipe["remove"]], check=True)
+    if recipe["remove"]:
+        subprocess.run([*pip, "uninstall", "-y", *recipe["remove"]], check=True)
     subprocess.run([str(folder / "bin" / "python"), "-c", recipe["probe"]], check=True)
     (folder / "READY").write_text(" ".join(recipe["install"]) + "\n")
     return folder / "bin" / "python"

@@ -11,7 +11,10 @@ them, tests/test_http.py):
   drawn from, as vLLM's ``--logprobs-mode processed_logprobs``), and the extension ``dew``
   field the raw policy log-probabilities and the policy version;
 - ``POST /v1/chat/completions``: ``messages`` (and ``tools``) through the tokenizer's chat
-  template with the generation header; the reply is the decoded assistant text.
+  template with the generation header; the reply is the decoded assistant text. With
+  ``return_token_ids`` (vLLM's field, which rllm-model-gateway adds to every call) the reply
+  carries ``prompt_token_ids`` and each choice's sampled ``token_ids`` (EOS included), streamed
+  one id per chunk.
 
 Per request: ``temperature``, ``top_p``, ``top_k`` (-1 or 0: none), ``min_p``, ``seed``,
 ``max_tokens``, ``stop`` (strings: the text is cut before the first one and the choice ends
@@ -255,12 +258,23 @@ class OpenAIFront:
                      "top_logprobs": [{**_token(name), "logprob": value} for name, value in top.items()]}
                     for t, p, top in zip(draw.ids, draw.behavior_log_probs, tops)]}
             choices.append(choice)
+        token_ids = bool(body.get("return_token_ids"))
+        if ask.stream and token_ids:
+            chunks = [{**identity, "object": "chat.completion.chunk", "choices": [chunk]} for choice in choices
+                      for chunk in _chat_token_chunks(choice, self._deltas(choice["dew"]["token_ids"],
+                                                                           choice["message"]["content"]))]
+            chunks[0]["prompt_token_ids"] = ids
+            return chunks
         if ask.stream:
             return [{**identity, "object": "chat.completion.chunk", "choices": [chunk]} for choice in choices
                     for chunk in _chat_chunks(choice, self._deltas([i for i in choice["dew"]["token_ids"] if i not in eos],
                                                                    choice["message"]["content"]))]
         completion = sum(len(c["dew"]["token_ids"]) for c in choices)
+        if token_ids:  # vLLM's return_token_ids: the exact prompt and sampled ids, what a recording gateway stores
+            for choice in choices:
+                choice["token_ids"] = choice["dew"]["token_ids"]
         return {**identity, "object": "chat.completion", "choices": choices,
+                **({"prompt_token_ids": ids} if token_ids else {}),
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
                           "total_tokens": len(ids) + completion}}
 
@@ -347,6 +361,19 @@ def _chat_chunks(choice: dict, deltas: list[str]) -> list[dict]:
     chunks = [{"index": choice["index"], "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
     chunks += [{"index": choice["index"], "delta": {"content": part}, "finish_reason": None} for part in deltas if part]
     chunks.append({"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]})
+    return chunks
+
+
+def _chat_token_chunks(choice: dict, deltas: list[str]) -> list[dict]:
+    """One chunk per sampled id (vLLM's streamed ``return_token_ids``), each with its id and log-probability."""
+    content = (choice.get("logprobs") or {}).get("content")
+    chunks = [{"index": choice["index"], "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+    for position, (token, part) in enumerate(zip(choice["dew"]["token_ids"], deltas)):
+        chunk = {"index": choice["index"], "delta": {"content": part}, "finish_reason": None, "token_ids": [token]}
+        if content:
+            chunk["logprobs"] = {"content": content[position: position + 1]}
+        chunks.append(chunk)
+    chunks[-1]["finish_reason"] = choice["finish_reason"]
     return chunks
 
 

@@ -55,10 +55,10 @@ from dew.validation import integer, one_of
 ENGINES = ("vllm", "sglang")
 
 
-def on_process_zero(what: str, action: Callable[[], None]) -> None:
-    """Run ``action`` on process 0 and raise on every process when it failed there (a collective)."""
+def on_one_process(what: str, action: Callable[[], None], process: int = 0) -> None:
+    """Run ``action`` on ``process`` (0 unless told) and raise on every process when it failed there (a collective)."""
     error = None
-    if jax.process_index() == 0:
+    if jax.process_index() == process:
         try:
             action()
         except Exception as caught:  # told to every process below
@@ -111,32 +111,14 @@ class SafetensorsReload:
             raise ValueError("this SafetensorsReload has no replicas to publish to (engines is empty); "
                              "an empty list only serves write()")
         host = collective_host(variables)
-        on_process_zero(f"the safetensors reload of version {version}", lambda: self._publish(host, version))
+        on_one_process(f"the safetensors reload of version {version}", lambda: self._publish(host, version))
 
     def _publish(self, variables, version: int) -> None:
         self.write(variables)
         sequence = self._vllm if self.engine == "vllm" else self._sglang
-        self._each(lambda url: sequence(url, version), f"reloading version {version}")
+        each_replica(self.engines, lambda url: sequence(url, version), f"reloading version {version}")
         if self.landing is not None:
-            expected = self.landing.expected(variables)
-            scorer = SCORERS[self.engine]
-            gaps = {}
-
-            def land(url):
-                gaps[url] = self.landing.compare(url, scorer(url, self.landing.probe, self.timeout), expected)
-
-            self._each(land, f"the landing check of version {version}")
-            self.published = gaps
-
-    def _each(self, step: Callable[[str], None], what: str) -> None:
-        with ThreadPoolExecutor(len(self.engines)) as pool:
-            outcomes = list(pool.map(lambda url: _outcome(step, url), self.engines))
-        failed = [(url, error) for url, error in zip(self.engines, outcomes) if error is not None]
-        if len(failed) == 1:
-            raise failed[0][1]
-        if failed:
-            raise EngineError(f"{what} failed on {len(failed)} of {len(self.engines)} replicas: "
-                              + "; ".join(str(error) for _, error in failed))
+            self.published = land(self.landing, self.engines, self.engine, variables, version, self.timeout)
 
     def _vllm(self, url: str, version: int) -> None:
         dev = "vLLM serves this development endpoint only with VLLM_SERVER_DEV_MODE=1"
@@ -161,6 +143,32 @@ class SafetensorsReload:
                               "SGLang re-reads the same directory as its rollback")
 
 
+def each_replica(engines: Sequence[str], step: Callable[[str], None], what: str) -> None:
+    """Run ``step(url)`` on every replica at once; raise one error naming every replica that failed."""
+    with ThreadPoolExecutor(len(engines)) as pool:
+        outcomes = list(pool.map(lambda url: _outcome(step, url), engines))
+    failed = [(url, error) for url, error in zip(engines, outcomes) if error is not None]
+    if len(failed) == 1:
+        raise failed[0][1]
+    if failed:
+        raise EngineError(f"{what} failed on {len(failed)} of {len(engines)} replicas: "
+                          + "; ".join(str(error) for _, error in failed))
+
+
+def land(landing: LandingCheck, engines: Sequence[str], engine: str, variables, version: int,
+         timeout: float) -> dict[str, float]:
+    """Every replica's largest landing difference for ``variables``; raises naming each replica that disagrees."""
+    expected = landing.expected(variables)
+    scorer = SCORERS[engine]
+    gaps = {}
+
+    def check(url):
+        gaps[url] = landing.compare(url, scorer(url, landing.probe, timeout), expected)
+
+    each_replica(engines, check, f"the landing check of version {version}")
+    return gaps
+
+
 def _outcome(step, url) -> BaseException | None:
     try:
         step(url)
@@ -179,7 +187,7 @@ class Publication(WeightPublisher):
         self.push, self.stamp = push, stamp
         self._version = integer("version", version)
         if stamp is not None:
-            on_process_zero(f"stamping the launch version {version}", lambda: stamp(version))
+            on_one_process(f"stamping the launch version {version}", lambda: stamp(version))
 
     @property
     def version(self) -> int:
@@ -189,5 +197,5 @@ class Publication(WeightPublisher):
         integer("version", version)
         self.push(variables, version)
         if self.stamp is not None:
-            on_process_zero(f"stamping version {version}", lambda: self.stamp(version))
+            on_one_process(f"stamping version {version}", lambda: self.stamp(version))
         self._version = version

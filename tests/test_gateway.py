@@ -1,0 +1,317 @@
+"""The recording gateway, the path-restricted proxy and HarborSource, against the real rllm-model-gateway.
+
+The gateway is rllm-model-gateway 0.1.0 from PyPI, run from its own environment
+(``tools/engine_env.py gateway``, which ``.ci/run`` builds), in front of dew's native
+OpenAI front and, in one test, the session's real vLLM. The PyPI release has no
+``/admin/weight_version`` route, so the stamp is checked against a stand-in that answers
+that route as the later rllm ``server.py`` does. Harbor's trials run in containers and this
+machine has none, so the harness is a stand-in that does what Harbor's agent does: it calls
+the model through ``{sandbox_url}/sessions/{session}/v1/chat/completions`` (here, through
+the SessionProxy) and reports the verifier's reward.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dew.data.stories import story_decoder, story_tokenizer
+from dew.inference import NativeRolloutServer, OpenAIFront, Publication, Server
+from dew.inference.engines import build_engine_env, engine_python, free_port
+from dew.inference.http import write_json
+from dew.objectives.rl.harbor import Gateway, GatewayError, HarborSource, SessionProxy, TrialOutcome, trace_call
+from dew.records.sessions import Status, Task
+from dew.sampling import Sampling
+
+
+class GatewayProcess:
+    """rllm-model-gateway 0.1.0 on loopback with the spec's settings (memory store, traces stored before replies)."""
+
+    def __init__(self, workers, directory, health_check_interval=1.0):
+        python = engine_python("gateway") or build_engine_env("gateway")
+        self.port = free_port()
+        config = directory / f"gateway-{self.port}.yaml"
+        config.write_text(json.dumps({  # YAML is a superset of JSON
+            "host": "127.0.0.1", "port": self.port, "store_worker": "memory", "sync_traces": True,
+            "health_check_interval": health_check_interval, "log_level": "WARNING",
+            "workers": [{"url": url, "model_name": "dew-story"} for url in workers]}))
+        self.log = open(directory / f"gateway-{self.port}.log", "ab")
+        self.process = subprocess.Popen([str(python), "-m", "rllm_model_gateway", "--config", str(config)],
+                                        stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                return
+            except OSError:
+                assert self.process.poll() is None, "the gateway exited while starting"
+                time.sleep(0.2)
+        raise RuntimeError("the gateway did not start")
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        os.killpg(self.process.pid, signal.SIGTERM)
+        self.process.wait(timeout=20)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def front():
+    tokenizer = story_tokenizer()
+    model = story_decoder(len(tokenizer), max_seq_len=96)
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    sampling = Sampling(temperature=1.0, top_k=20, eos_id=tokenizer.eos_token_id)
+    rollout = NativeRolloutServer(Server(model, variables, sampling, slots=4, capacity=96))
+    with OpenAIFront(rollout, tokenizer=tokenizer, model_name="dew-story") as http:
+        yield http
+    rollout.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(front, tmp_path_factory):
+    process = GatewayProcess([f"{front.url}/v1"], tmp_path_factory.mktemp("gateway"))
+    yield process
+    process.close()
+
+
+def post(url, body, timeout=60):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+
+
+def agent(turns=2, reward=1.0):
+    """A harness stand-in: chats ``turns`` times through the trial's base URL, as Harbor's agent would."""
+    seen = []
+
+    def run(trial):
+        messages = [{"role": "user", "content": f"Task {trial.task.id}: tell me a story."}]
+        for _ in range(turns):
+            status, reply = post(f"{trial.base_url}/chat/completions",
+                                 {"model": trial.model, "messages": messages, "max_tokens": 6, "seed": 3})
+            if status != 200:
+                return TrialOutcome("error", detail=f"the model call answered {status}: {reply}")
+            seen.append(reply["choices"][0]["dew"])
+            messages += [reply["choices"][0]["message"], {"role": "user", "content": "Go on."}]
+        return TrialOutcome("completed", reward, {"tests": reward})
+
+    run.seen = seen
+    return run
+
+
+def test_ready_waits_for_a_healthy_worker_and_models_through_the_gateway(gateway, tmp_path):
+    health = Gateway(gateway.url).ready(ready_timeout=30)
+    assert health["healthy"] == 1 and health["total"] == 1
+    with pytest.raises(GatewayError, match=r"not ready within 1 s \(.*unreachable"):
+        Gateway(f"http://127.0.0.1:{free_port()}").ready(ready_timeout=1)
+    dead = GatewayProcess([f"http://127.0.0.1:{free_port()}/v1"], tmp_path, health_check_interval=0.2)
+    try:  # its one worker never answers a probe; after 3 failed probes the gateway calls it unhealthy
+        with pytest.raises(GatewayError, match=r"not ready within 4 s \((/health/workers reports 0 of 1|GET /v1/models)"):
+            Gateway(dead.url).ready(ready_timeout=4)
+    finally:
+        dead.close()
+
+
+class StampingGateway(BaseHTTPRequestHandler):
+    """``GET/POST /admin/weight_version`` as the later rllm server.py answers it (an int, 400 without one)."""
+
+    version = None
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body.get("weight_version") is None:
+            return write_json(self, 400, {"error": "weight_version is required"})
+        StampingGateway.version = int(body["weight_version"])
+        write_json(self, 200, {"weight_version": StampingGateway.version})
+
+    def log_message(self, *args):
+        pass
+
+
+def test_stamp_is_refused_by_the_pypi_gateway_and_follows_publication_on_one_that_has_the_route(gateway):
+    with pytest.raises(GatewayError, match=r"no /admin/weight_version route \(rllm-model-gateway 0.1.0"):
+        Gateway(gateway.url).stamp(1)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StampingGateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        stamping = Gateway(f"http://127.0.0.1:{server.server_address[1]}")
+        StampingGateway.version = 41  # what an earlier run left behind
+        pushed = []
+        publication = Publication(lambda variables, version: pushed.append(version), version=3, stamp=stamping.stamp)
+        assert StampingGateway.version == 3  # construction stamps the launch version
+        publication.load({}, 4)
+        assert pushed == [4] and StampingGateway.version == 4 and publication.version == 4
+
+        def failing(variables, version):
+            raise RuntimeError("replica down")
+
+        publication.push = failing
+        with pytest.raises(RuntimeError, match="replica down"):
+            publication.load({}, 5)
+        assert StampingGateway.version == 4 and publication.version == 4  # never ahead of the replicas
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_harbor_source_reads_each_trials_exact_calls_back_from_the_gateway(gateway, front):
+    served = Publication(lambda variables, version: None, version=7)
+    with SessionProxy(gateway.url) as proxy:
+        harness = agent(turns=2)
+        with HarborSource(Gateway(gateway.url, sandbox_url=proxy.url), harbor=harness, model="dew-story", trials=2,
+                          served=served, eos_ids=[front.tokenizer.eos_token_id]) as source:
+            futures = source.submit(Task("t1", {}), group=0, samples=2)
+            sessions = [future.result(timeout=120) for future in futures]
+        assert proxy.forwarded == 4 and proxy.refused == 0
+    by_sampled = {tuple(seen["token_ids"]): seen for seen in harness.seen}
+    for session in sessions:
+        assert session.status is Status.COMPLETED and session.reward == 1.0 and session.components == {"tests": 1.0}
+        assert len(session.calls) == 2 and session.sample in (0, 1)
+        for call in session.calls:  # the ids the engine drew and the likelihoods it reported, unchanged
+            assert call.version == 7
+            assert call.behavior_log_probs == pytest.approx(by_sampled[tuple(call.sampled_ids)]["logprobs"], abs=0)
+        first, second = session.calls
+        assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids  # the second turn's context
+        rendered = front.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Task t1: tell me a story."}], tokenize=False, add_generation_prompt=True)
+        assert first.prompt_ids == front.tokenizer.encode(rendered)
+    traces = json.loads(urllib.request.urlopen(f"{gateway.url}/sessions", timeout=10).read())
+    assert not [s for s in traces if s["session_id"].startswith("t1-")]  # read back, then deleted
+
+
+def test_failed_trials_become_infra_errors_without_invented_calls(gateway):
+    def crashing(trial):
+        raise RuntimeError("the sandbox died")
+
+    def silent(trial):
+        return TrialOutcome("completed", 1.0)
+
+    for harness, detail in [(crashing, "the trial raised RuntimeError: the sandbox died"),
+                            (silent, "recorded no model call"),
+                            (agent(reward=float("nan")), "without a finite reward")]:
+        with HarborSource(Gateway(gateway.url), harbor=harness, model="dew-story", trials=1,
+                          served=Publication(lambda v, n: None)) as source:
+            session = source.submit(Task("t2", {}), group=1, samples=1)[0].result(timeout=120)
+        assert session.status is Status.INFRA_ERROR and session.calls == [] and detail in session.detail
+    with HarborSource(Gateway(gateway.url), harbor=agent(), model="dew-story") as source:  # no version anywhere
+        session = source.submit(Task("t3", {}), group=0, samples=1)[0].result(timeout=120)
+    assert session.status is Status.INFRA_ERROR and "without a weight_version" in session.detail
+    with pytest.raises(GatewayError, match="not ready within 1 s"):
+        HarborSource(Gateway(f"http://127.0.0.1:{free_port()}"), harbor=agent(), model="m",
+                     ready_timeout=1).submit(Task("t4", {}), 0, 1)
+
+
+def test_a_trace_missing_ids_or_likelihoods_is_refused_by_name():
+    trace = {"trace_id": "abc", "prompt_token_ids": [1, 2], "completion_token_ids": [3, 4], "logprobs": [-0.5, -0.25],
+             "finish_reason": "tool_calls", "weight_version": 2}
+    call = trace_call(trace, 0, fallback_version=0)
+    assert call.finish_reason == "stop" and call.version == 2 and list(call.sampled_ids) == [3, 4]
+    for change, message in [({"prompt_token_ids": []}, "trace 0 \\(abc\\) has no prompt_token_ids"),
+                            ({"logprobs": None}, "has no logprobs"),
+                            ({"completion_token_ids": None}, "has no completion_token_ids"),
+                            ({"logprobs": [-0.5]}, "1 behavior_log_probs for 2 sampled ids")]:
+        with pytest.raises(ValueError, match=message):
+            trace_call({**trace, **change}, 0, fallback_version=0)
+
+
+class Recording(BaseHTTPRequestHandler):
+    """An upstream that records every request that reaches it."""
+
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        Recording.seen.append((self.path, body, dict(self.headers)))
+        write_json(self, 200, {"ok": True})
+
+    do_GET = do_DELETE = do_POST
+
+    def log_message(self, *args):
+        pass
+
+
+def raw(proxy, method, path, body=b"{}", headers=None):
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]), timeout=10)
+    connection.putrequest(method, path, skip_accept_encoding=True)
+    for name, value in (headers if headers is not None else {"Content-Length": str(len(body))}).items():
+        connection.putheader(name, value)
+    connection.endheaders()
+    if body:
+        connection.send(body)
+    answer = connection.getresponse()
+    return answer.status, answer.read()
+
+
+def test_the_proxy_forwards_only_session_chat_completions():
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    Recording.seen = []
+    try:
+        with SessionProxy(f"http://127.0.0.1:{upstream.server_address[1]}", max_body_bytes=1024) as proxy:
+            refused = [
+                ("GET", "/sessions/a1/v1/chat/completions", 405), ("DELETE", "/sessions/a1", 405),
+                ("POST", "/admin/weight_version", 403), ("POST", "/admin/workers", 403),
+                ("POST", "/traces/query", 403), ("POST", "/sessions", 403), ("POST", "/v1/chat/completions", 403),
+                ("POST", "/sessions/a1/v1/models", 403), ("POST", "/sessions/a1/traces", 403),
+                ("POST", "/sessions/../admin/weight_version/v1/chat/completions", 403),
+                ("POST", "/sessions/a1/v1/chat/completions/../../../../admin/workers", 403),
+                ("POST", "/sessions/a%2F..%2Fadmin/v1/chat/completions", 403),
+                ("POST", "/sessions/a1/v1/chat/completions%3F", 403), ("POST", "/sessions/a1/v1/chat/completions?x=1", 403),
+                ("POST", "//sessions/a1/v1/chat/completions", 403), ("POST", "/sessions/a.b/v1/chat/completions", 403),
+                ("POST", "/sessions/a:b/v1/chat/completions", 403), ("POST", "/sessions/" + "a" * 129 + "/v1/chat/completions", 403),
+                ("POST", "/SESSIONS/a1/v1/chat/completions", 403),
+            ]
+            for method, path, status in refused:
+                assert raw(proxy, method, path)[0] == status, (method, path)
+            good = "/sessions/run-1_a/v1/chat/completions"
+            assert raw(proxy, "POST", good, b"x" * 2000)[0] == 413
+            assert raw(proxy, "POST", good, b"[1, 2]")[0] == 400
+            assert raw(proxy, "POST", good, b"{}", headers={})[0] == 411
+            assert raw(proxy, "POST", good, b"", headers={"Transfer-Encoding": "chunked"})[0] == 411
+            assert Recording.seen == [] and proxy.forwarded == 0  # nothing refused reached the gateway
+            status, body = raw(proxy, "POST", good, b'{"messages": []}',
+                               headers={"Content-Length": "16", "Content-Type": "application/json",
+                                        "X-Admin": "1", "Authorization": "Bearer secret"})
+            assert status == 200 and json.loads(body) == {"ok": True}
+            (path, sent, headers), = Recording.seen
+            assert path == good and sent == b'{"messages": []}'
+            assert "X-Admin" not in headers and "Authorization" not in headers
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
+
+
+def test_the_gateway_in_front_of_the_real_vllm_records_completions_without_their_prompt_ids(vllm_engine, tmp_path):
+    # rllm-model-gateway 0.1.0 reads prompt_token_ids from the reply's root, where vLLM puts them only for chat;
+    # a completions call (the tiny engine has no tokenizer, so no chat) is recorded without them, and refused.
+    process = GatewayProcess([f"{vllm_engine.url}/v1"], tmp_path)
+    try:
+        gateway = Gateway(process.url)
+        assert gateway.ready(ready_timeout=30)["healthy"] == 1
+        base = gateway.open("vllm-1")
+        status, reply = post(f"{base}/completions", {"model": "tiny-qwen3", "prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 0, "return_tokens_as_token_ids": True,
+                                                    "temperature": 1.0, "seed": 1})
+        assert status == 200, reply
+        (trace,) = gateway.traces("vllm-1")
+        assert len(trace["completion_token_ids"]) == 4 and trace["prompt_token_ids"] == []
+        with pytest.raises(ValueError, match="has no prompt_token_ids"):
+            trace_call(trace, 0, fallback_version=0)
+    finally:
+        process.close()

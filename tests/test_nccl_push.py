@@ -1,0 +1,158 @@
+"""NCCLPush: the real libnccl's device-free calls, and the push against vLLM's weight-transfer routes.
+
+The binding loads the ``libnccl.so.2`` of the ``nvidia-nccl-cu12`` wheel (a dev dependency)
+and runs the calls that need no GPU. A broadcast needs CUDA GPUs on both sides, so the
+HTTP sequence, the chunking and the failures run against tests/standins.py's
+NCCLVLLMStandIn, which receives the chunks over an in-process Fabric exactly as vLLM
+0.32's packed consumer cuts them and then serves what arrived, so the landing check
+compares real numbers. The real CPU vLLM is asked too: it has no NCCL, and the push says so.
+"""
+
+import importlib.metadata
+import shutil
+
+import numpy as np
+import pytest
+from standins import Fabric, FabricSender, NCCLVLLMStandIn
+
+from dew.inference import EngineError, NCCLPush, Publication
+from dew.inference.landing import halved_down_proj
+from dew.inference.nccl import NCCLError, NCCLLibrary, NCCLSender, bundled_library, version_name
+from dew.inference.nccl_push import chunks
+
+SEQUENCE = ["/pause?mode=wait", "/start_weight_update", "/update_weights", "/finish_weight_update",
+            "/reset_prefix_cache", "/update_weight_version", "/resume"]
+
+
+@pytest.fixture(scope="module")
+def library():
+    path = bundled_library()
+    assert path is not None, "the nvidia-nccl-cu12 dev dependency ships libnccl.so.2"
+    return NCCLLibrary(path)
+
+
+def test_the_real_library_reports_its_version_unique_ids_and_errors(library):
+    assert library.version() == importlib.metadata.version("nvidia-nccl-cu12") == "2.32.3"
+    assert version_name(library.version_code()) == library.version() and version_name(21903) == "2.19.3"
+    first, second = library.unique_id(), library.unique_id()
+    assert len(first) == len(second) == 128 and first != second
+    assert "invalid usage" in library.error_string(5) and library.error_string(0) == "no error"
+    with pytest.raises(ValueError, match="128 bytes, got 3"):
+        library.init_rank(2, b"abc", 0)
+    with pytest.raises(FileNotFoundError, match="no NCCL library at /nowhere/libnccl.so.2.*engine's own"):
+        NCCLLibrary("/nowhere/libnccl.so.2")
+
+
+def test_a_sender_refuses_a_trainer_without_a_cuda_device(library):
+    # This machine's JAX runs on CPU: the sender says what it needs before any NCCL call.
+    with pytest.raises(NCCLError, match="sends from a CUDA GPU; the trainer's first device is"):
+        NCCLSender(library).join(library.unique_id(), 2)
+
+
+def test_chunks_close_once_they_pass_the_buffer_as_vllms_consumer_cuts_them():
+    sizes = {"a": 40, "b": 40, "c": 30, "d": 100, "e": 10}
+    tensors = {name: np.zeros(size, np.uint8) for name, size in sizes.items()}
+    assert list(chunks(tensors, 64)) == [["a", "b"], ["c", "d"], ["e"]]
+    assert list(chunks(tensors, 1000)) == [["a", "b", "c", "d", "e"]]
+    assert list(chunks(tensors, 1)) == [["a"], ["b"], ["c"], ["d"], ["e"]]
+
+
+@pytest.fixture
+def replicas(tiny_qwen3, tmp_path):
+    """Two NCCL stand-in replicas on copies of the launch weights, sharing one fabric, and a sender on it."""
+    fabric = Fabric()
+    engines = []
+    for index in range(2):
+        directory = tmp_path / f"replica-{index}"
+        shutil.copytree(tiny_qwen3[2], directory)
+        engines.append(NCCLVLLMStandIn(directory, fabric))
+    yield engines, FabricSender(fabric)
+    for engine in engines:
+        engine.close()
+
+
+def test_a_push_runs_vllms_sequence_on_every_replica_and_lands(replicas, tiny_qwen3):
+    pretrained, variables, _ = tiny_qwen3
+    engines, sender = replicas
+    push = NCCLPush(pretrained, [engine.url for engine in engines], None, sender=sender, buffer_bytes=64 * 1024)
+    publication = Publication(push)
+    halved = halved_down_proj(variables)
+    publication.load(halved, 1)
+    exported = pretrained.export(halved, "bfloat16")
+    for engine in engines:
+        paths = [path for path, _ in engine.calls]
+        assert paths[:2] == ["/server_info?config_format=json", "/init_weight_transfer_engine"]
+        assert paths[2:9] == SEQUENCE and paths[9:] == ["/v1/models", "/v1/completions"]  # then the landing probe
+        init = dict(engine.calls[1][1]["init_info"])
+        init.pop("nccl_unique_id_b64")
+        assert init == {"rank_offset": 1, "world_size": 2, "packed": True, "packed_buffer_size_bytes": 64 * 1024,
+                        "packed_num_buffers": 2}
+        update = engine.calls[4][1]["update_info"]
+        assert update["names"] == list(exported) and set(update["dtype_names"]) == {"bfloat16"}
+        assert update["shapes"] == [list(value.shape) for value in exported.values()]
+        for name, value in exported.items():  # what arrived is what export wrote, bit for bit
+            np.testing.assert_array_equal(engine._received[name].view(np.uint16), value.view(np.uint16))
+        assert engine.weight_version == "1" and not engine.paused
+    assert engines[0].unique_id != engines[1].unique_id  # one group per replica
+    largest = max(value.nbytes for value in exported.values())
+    assert len(sender.chunks) == len(list(chunks(exported, 64 * 1024))) > 2
+    assert max(sender.chunks) <= 64 * 1024 + largest and sum(sender.chunks) == sum(v.nbytes for v in exported.values())
+    assert set(push.published) == {engine.url for engine in engines}
+    assert max(push.published.values()) < 0.1  # bfloat16's landing tolerance
+
+    publication.load(variables, 2)  # the groups stay open: no second rendezvous
+    for engine in engines:
+        assert [path for path, _ in engine.calls[11:18]] == SEQUENCE and engine.weight_version == "2"
+    push.close()
+    assert len(sender.aborted) == 2
+    with pytest.raises(EngineError, match="cannot push version 3: the push was closed; restart"):
+        publication.load(variables, 3)
+    assert publication.version == 2
+
+
+def test_a_version_mismatch_or_an_engine_without_nccl_is_refused_before_any_group(replicas, tiny_qwen3):
+    pretrained, variables, _ = tiny_qwen3
+    engines, sender = replicas
+    engines[1].nccl = "2.27.3"
+    push = NCCLPush(pretrained, [engine.url for engine in engines], None, sender=sender)
+    with pytest.raises(EngineError, match=r"runs NCCL 2\.27\.3 and the trainer's library is NCCL 2\.32\.3"):
+        push(variables, 1)
+    engines[1].nccl = None
+    with pytest.raises(EngineError, match="reports no NCCL wheel .*SafetensorsReload"):
+        push(variables, 1)
+    assert all("/init_weight_transfer_engine" not in [p for p, _ in engine.calls] for engine in engines)
+    engines[1].nccl = "2.32.3"
+    push(variables, 1)  # nothing was joined, so the push can still open its groups
+    assert all(engine.weight_version == "1" for engine in engines)
+
+
+def test_a_refused_update_aborts_the_groups_and_leaves_the_replicas_paused(replicas, tiny_qwen3):
+    pretrained, variables, _ = tiny_qwen3
+    engines, sender = replicas
+    publication = Publication(NCCLPush(pretrained, [engine.url for engine in engines], None, sender=sender))
+    engines[0].fail = {"route": "/update_weights", "status": 400, "body": {"detail": "unknown parameter"}}
+    with pytest.raises(EngineError, match=r"update_weights: answered HTTP 400 \(.*unknown parameter"):
+        publication.load(variables, 1)
+    assert publication.version == 0 and all(engine.paused for engine in engines)
+    assert len(sender.aborted) == 2 and all(engine.weight_version == "default" for engine in engines)
+    with pytest.raises(EngineError, match="cannot push version 2: the transfer of version 1 failed .*restart"):
+        publication.load(variables, 2)
+
+
+def test_a_reset_without_success_fails_the_push_and_keeps_the_replica_paused(replicas, tiny_qwen3):
+    pretrained, variables, _ = tiny_qwen3
+    engines, sender = replicas
+    publication = Publication(NCCLPush(pretrained, [engines[0].url], None, sender=sender))
+    engines[0].fail = {"route": "/reset_prefix_cache", "status": 200, "body": {"success": False}}
+    with pytest.raises(EngineError, match=r"reset_prefix_cache answered \{'success': False\}.*stays paused"):
+        publication.load(variables, 1)
+    assert publication.version == 0 and engines[0].paused and engines[0].weight_version == "default"
+    publication.load(variables, 1)  # the transfer itself finished, so the group is still good
+    assert publication.version == 1 and not engines[0].paused
+
+
+def test_the_real_cpu_vllm_has_no_nccl_and_the_push_says_so(vllm_engine, tiny_qwen3, library):
+    pretrained, variables, _ = tiny_qwen3
+    push = NCCLPush(pretrained, [vllm_engine.url], library.path)
+    with pytest.raises(EngineError, match=f"{vllm_engine.url}: the engine reports no NCCL wheel"):
+        push(variables, 1)
