@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import jax
 import jax.numpy as jnp
@@ -60,11 +60,12 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from dew.inference.background import BackgroundServer
 from dew.inference.http import write_json
 from dew.models.pretrained import load_pretrained
 
 
-class StandIn:
+class StandIn(BackgroundServer):
     """A model from ``directory`` behind an HTTP server on 127.0.0.1; subclasses give ``routes``."""
 
     def __init__(self, directory, name: str = "tiny-qwen3"):
@@ -88,23 +89,7 @@ class StandIn:
             def log_message(self, *args):
                 pass
 
-        self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._http.server_address[1]}"
-
-    def close(self) -> None:
-        self._http.shutdown()
-        self._http.server_close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__(Handler, name=f"{type(self).__name__}")
 
     def _load(self, directory: str | None = None) -> None:
         model, variables = load_pretrained(directory or self.directory)

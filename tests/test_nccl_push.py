@@ -19,6 +19,7 @@ from dew.inference import EngineError, NCCLPush, Publication
 from dew.inference.landing import halved_down_proj
 from dew.inference.nccl import NCCLError, NCCLLibrary, NCCLSender, bundled_library, version_name
 from dew.inference.nccl_push import chunks
+from dew.sampling import Sampling
 
 SEQUENCE = ["/pause?mode=wait", "/start_weight_update", "/update_weights", "/finish_weight_update",
             "/reset_prefix_cache", "/update_weight_version", "/resume"]
@@ -156,3 +157,18 @@ def test_the_real_cpu_vllm_has_no_nccl_and_the_push_says_so(vllm_engine, tiny_qw
     push = NCCLPush(pretrained, [vllm_engine.url], library.path)
     with pytest.raises(EngineError, match=f"{vllm_engine.url}: the engine reports no NCCL wheel"):
         push(variables, 1)
+
+
+def test_the_pipeline_publishes_by_nccl_only_with_gpus_on_both_sides(tiny_qwen3, library):
+    from dew_ray.actors.engine import vllm_rollouts
+    from dew_ray.pipelines.rlvr_config import load_config
+    from dew_ray.pipelines.rlvr_job import engine_args
+
+    with pytest.raises(ValueError, match=r"engine_push' = 'nccl' needs engine='vllm' and GPUs on both sides"):
+        load_config(engine="vllm", engine_push="nccl", server_gpus=1.0)
+    config = load_config("cluster_configs/rlvr-vllm-gpu.toml")
+    assert config.engine_push == "nccl" and config.trainer_gpus == 1.0
+    assert engine_args(config)[-2:] == ["--weight-transfer-config", '{"backend": "nccl"}']
+    pool = vllm_rollouts(tiny_qwen3[0], "/unused", ["http://127.0.0.1:1"], Sampling(), nccl_library=library.path)
+    push = pool.servers[0].weights.push
+    assert isinstance(push, NCCLPush) and push.sender.library.path == library.path

@@ -40,15 +40,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.inference.background import BackgroundServer
 from dew.inference.rollout import Draw, NativeRolloutServer
 from dew.sampling import Sampling, filtered_logits
 
@@ -74,7 +74,7 @@ class _Ask:
     ids_as_tokens: bool
 
 
-class OpenAIFront:
+class OpenAIFront(BackgroundServer):
     """Serves a NativeRolloutServer over HTTP on a background thread; ``url`` is its base address."""
 
     def __init__(self, rollout: NativeRolloutServer, tokenizer=None, host: str = "127.0.0.1", port: int = 0,
@@ -94,26 +94,7 @@ class OpenAIFront:
             def log_message(self, *args):  # requests are not logged to stderr
                 pass
 
-        self._http = ThreadingHTTPServer((host, port), Handler)
-        self._http.daemon_threads = True
-        self._thread = threading.Thread(target=self._http.serve_forever, name="dew-openai-front", daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._http.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def close(self) -> None:
-        self._http.shutdown()
-        self._http.server_close()
-        self._thread.join(timeout=10)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__(Handler, host, port, name="dew-openai-front")
 
     # ----- routing -------------------------------------------------------------------------
 

@@ -28,15 +28,16 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import threading
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from dew.inference.background import BackgroundServer
 
 ALLOWED = re.compile(r"/sessions/[A-Za-z0-9_-]{1,128}/v1/chat/completions")
 FORWARDED_HEADERS = ("Content-Type", "Accept")
 
 
-class SessionProxy:
+class SessionProxy(BackgroundServer):
     """Forwards only sessions' chat completions to ``gateway_url`` (see the module docstring)."""
 
     def __init__(self, gateway_url: str, host: str = "127.0.0.1", port: int = 0, *,
@@ -62,25 +63,7 @@ class SessionProxy:
             def log_message(self, *args):
                 pass
 
-        self._http = ThreadingHTTPServer((host, port), Handler)
-        self._http.daemon_threads = True
-        self._thread = threading.Thread(target=self._http.serve_forever, name="session-proxy", daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._http.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def close(self) -> None:
-        self._http.shutdown()
-        self._http.server_close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__(Handler, host, port, name="session-proxy")
 
     def _refuse(self, handler, status: int, message: str) -> None:
         self.refused += 1

@@ -25,6 +25,7 @@ import ray
 
 from dew.inference import (
     EnginePool,
+    NCCLPush,
     OpenAICompletion,
     OpenAIRolloutServer,
     Publication,
@@ -83,14 +84,20 @@ def start_vllm_engines(model: str, count: int, *, name: str = "dew", placement=N
 
 
 def vllm_rollouts(pretrained: Pretrained, directory: str, urls: Sequence[str], sampling: Sampling, *,
-                  name: str = "dew", version: int = 0, served_dtype: str = "float32") -> EnginePool:
-    """Rollouts from vLLM engines at ``urls`` serving ``directory``, published by a SafetensorsReload there.
+                  name: str = "dew", version: int = 0, served_dtype: str = "float32",
+                  nccl_library: str | None = None) -> EnginePool:
+    """Rollouts from vLLM engines at ``urls`` serving ``directory``, published by a SafetensorsReload there,
+    or, with ``nccl_library`` (the engines' own ``libnccl.so.2``), by an NCCLPush from this process's first GPU.
 
     The engines must run with ``--logprobs-mode processed_logprobs`` when ``sampling``
-    transforms (OpenAIRolloutServer's rule); the publisher checks every push landed.
+    transforms (OpenAIRolloutServer's rule), and with ``--weight-transfer-config
+    '{"backend": "nccl"}'`` for the NCCL push; the publisher checks every push landed.
     """
-    publication = Publication(SafetensorsReload(pretrained, directory, list(urls), "vllm", served_dtype=served_dtype),
-                              version=version)
+    if nccl_library is not None:
+        push = NCCLPush(pretrained, list(urls), nccl_library, served_dtype=served_dtype)
+    else:
+        push = SafetensorsReload(pretrained, directory, list(urls), "vllm", served_dtype=served_dtype)
+    publication = Publication(push, version=version)
     return EnginePool([
         OpenAIRolloutServer(OpenAICompletion(name, engine_client(url)), sampling, publication, processed_logprobs=True)
         for url in urls

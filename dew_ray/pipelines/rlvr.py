@@ -92,6 +92,7 @@ from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
 from dew_ray.pipelines.rlvr_job import (
     ENGINE_MODEL,
     Setup,
+    engine_args,
     engine_policy,
     engine_rollouts,
     pipeline_reward,
@@ -227,9 +228,9 @@ class RLVRPipeline:
             parts = ", ".join(f"{role} {cpus:g}" for role, cpus in demand.items())
             raise PreflightError(f"the run reserves {sum(demand.values()):g} CPUs ({parts}) but the Ray cluster has "
                                  f"{available:g}: lower trainer_cpus, server_cpus or sandbox_cpus, or use fewer actors")
-        gpus = config.servers * config.server_gpus
+        gpus = config.servers * config.server_gpus + config.trainers * config.trainer_gpus
         if gpus > ray.cluster_resources().get("GPU", 0):
-            raise PreflightError(f"the run reserves {gpus:g} GPUs for its vLLM servers but the Ray cluster has "
+            raise PreflightError(f"the run reserves {gpus:g} GPUs for its trainers and vLLM servers but the Ray cluster has "
                                  f"{ray.cluster_resources().get('GPU', 0):g}")
         (self.run_dir / "config.json").write_text(json.dumps({**config.model_dump(), "run_dir": str(self.run_dir)},
                                                              indent=2))
@@ -247,7 +248,7 @@ class RLVRPipeline:
         self.model = decoder(len(tokenizer), max_seq_len=width, engine=config.engine)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
         self.placement = placement = RolePlacement({
-            "trainer": (config.trainers, config.trainer_cpus),
+            "trainer": (config.trainers, config.trainer_cpus, config.trainer_gpus),
             "rollout server": (config.servers, config.server_cpus, config.server_gpus),
             "sandbox runner": (config.sandbox_runners, config.sandbox_cpus),
         }, name=f"dew-rlvr-{self.run_dir.resolve().name}")
@@ -293,7 +294,7 @@ class RLVRPipeline:
         SafetensorsReload(Pretrained.from_model(self.model), directory, [], "vllm").write(self.params)
         actors, setup.engines = start_vllm_engines(
             directory, self.config.servers, name=ENGINE_MODEL, dtype=self.config.engine_dtype,
-            max_model_len=setup.width, max_num_seqs=self.config.slots, args=["--logprobs-mode", "processed_logprobs"],
+            max_model_len=setup.width, max_num_seqs=self.config.slots, args=engine_args(self.config),
             placement=lambda i: self.placement.options("rollout server", i))
         self.pool = engine_rollouts(setup, self.model, version=-1)
         return actors

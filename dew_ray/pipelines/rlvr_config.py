@@ -30,7 +30,12 @@ class RLVRPipelineConfig(RLVRConfig):
     from through OpenAIRolloutServer and published by SafetensorsReload into
     ``<run_dir>/engine/policy``, a path every engine's node must read); engine_dtype: what
     vLLM computes in; server_gpus: GPUs in each rollout server's bundle (the vLLM engine
-    inherits the actor's CUDA_VISIBLE_DEVICES).
+    inherits the actor's CUDA_VISIBLE_DEVICES). engine_push: how the trainer publishes to
+    the engines, "reload" (SafetensorsReload through that directory) or "nccl" (NCCLPush:
+    a broadcast from the trainer's GPU, so trainer_gpus and server_gpus must be set, and the
+    engines launch with the NCCL weight-transfer backend); nccl_library: the engines'
+    ``libnccl.so.2`` on the trainer's node (default: the engine environment's
+    ``nvidia/nccl/lib/libnccl.so.2``); trainer_gpus: GPUs in each trainer's bundle.
     """
 
     run_dir: str = "runs/rlvr"
@@ -45,6 +50,9 @@ class RLVRPipelineConfig(RLVRConfig):
     engine: Literal["native", "vllm"] = "native"
     engine_dtype: Literal["float32", "bfloat16"] = "float32"
     server_gpus: float = Field(0.0, ge=0)
+    engine_push: Literal["reload", "nccl"] = "reload"
+    nccl_library: str | None = None
+    trainer_gpus: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _roles(self):
@@ -55,6 +63,10 @@ class RLVRPipelineConfig(RLVRConfig):
             raise ValueError(f"config field 'prompts' names {self.prompts!r}, which is not a file")
         if self.server_gpus and self.engine != "vllm":
             raise ValueError("config field 'server_gpus' needs engine='vllm': the native servers run on CPU here")
+        if self.engine_push == "nccl" and (self.engine != "vllm" or not self.server_gpus or not self.trainer_gpus):
+            raise ValueError("config field 'engine_push' = 'nccl' needs engine='vllm' and GPUs on both sides "
+                             f"(server_gpus={self.server_gpus:g}, trainer_gpus={self.trainer_gpus:g}): an NCCL "
+                             "broadcast runs from a trainer GPU into the engines' GPUs")
         return self
 
     def cpu_demand(self) -> dict[str, float]:

@@ -20,6 +20,7 @@ import jax
 import pyarrow.parquet as pq
 
 from dew.data import Loading
+from dew.inference.engines import engine_dir
 from dew.data.verifiable import MATH_SOURCE, task_rows, task_tokenizer
 from dew.recipes.rewards import RoutedReward, verifiable_reward
 from dew.recipes.rlvr import decoder, grpo_job, warm_start
@@ -42,6 +43,7 @@ class Setup:
 
 
 ENGINE_MODEL = "dew-rlvr"  # the name the run's vLLM engines serve the policy under
+BUNDLED_NCCL = "lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2"  # in a pip-installed CUDA vLLM
 
 
 def engine_policy(run_dir) -> str:
@@ -49,12 +51,20 @@ def engine_policy(run_dir) -> str:
     return str(Path(run_dir) / "engine" / "policy")
 
 
-def engine_rollouts(setup: Setup, model, version: int):
-    """The EnginePool over the run's vLLM engines, publishing into engine_policy(run_dir)."""
+def engine_args(config) -> list[str]:
+    """The run's vLLM flags: processed log-probabilities, and the NCCL weight-transfer backend for engine_push='nccl'."""
+    args = ["--logprobs-mode", "processed_logprobs"]
+    return args + (["--weight-transfer-config", '{"backend": "nccl"}'] if config.engine_push == "nccl" else [])
+
+
+def engine_rollouts(setup: Setup, model, version: int, push: str = "reload"):
+    """The EnginePool over the run's vLLM engines, publishing into engine_policy(run_dir) or by NCCL broadcast."""
     config = setup.config
     sampling = Sampling(eos_id=task_tokenizer().eos_token_id, temperature=1.0)
+    library = config.nccl_library or str(next(engine_dir("vllm").glob(BUNDLED_NCCL), engine_dir("vllm") / BUNDLED_NCCL))
     return vllm_rollouts(Pretrained.from_model(model), engine_policy(setup.run_dir), setup.engines, sampling,
-                         name=ENGINE_MODEL, version=version, served_dtype=config.engine_dtype)
+                         name=ENGINE_MODEL, version=version, served_dtype=config.engine_dtype,
+                         nccl_library=library if push == "nccl" else None)
 
 
 def prompt_rows(config: RLVRPipelineConfig, train) -> list[dict]:
@@ -104,7 +114,7 @@ def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
     tokenizer = task_tokenizer()
     model = decoder(len(tokenizer), max_seq_len=setup.width, engine=config.engine)
     if setup.engines:
-        pool = engine_rollouts(setup, model, version=-1)
+        pool = engine_rollouts(setup, model, version=-1, push=config.engine_push)
     else:
         pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers])
     fleet = CountingFleet(RemoteFleet(runners, workers=config.sandbox_workers))
