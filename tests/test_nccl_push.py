@@ -172,3 +172,31 @@ def test_the_pipeline_publishes_by_nccl_only_with_gpus_on_both_sides(tiny_qwen3,
     pool = vllm_rollouts(tiny_qwen3[0], "/unused", ["http://127.0.0.1:1"], Sampling(), nccl_library=library.path)
     push = pool.servers[0].weights.push
     assert isinstance(push, NCCLPush) and push.sender.library.path == library.path
+
+
+def test_on_two_trainer_processes_the_first_devices_process_sends_and_both_agree(tiny_qwen3, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
+
+    directory = tmp_path / "policy"
+    shutil.copytree(tiny_qwen3[2], directory)
+    port, env = free_port(), {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    outs = [tmp_path / f"nccl-{p}.json" for p in (0, 1)]
+    workers = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(p), str(port),
+                                 str(directory), str(outs[p])], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for p in (0, 1)]
+    try:
+        logs = [worker.communicate(timeout=240)[0] for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    assert all(worker.returncode == 0 for worker in workers), "\n----\n".join(logs)
+    first, second = (json.loads(out.read_text()) for out in outs)
+    assert first["after_first"] == second["after_first"] == 1 and first["served"] == "1"
+    assert first["second"].startswith("EngineError:") and "out of memory" in first["second"]
+    assert second["second"].startswith("RuntimeError: the NCCL push of version 2 failed on process 0 of 2")
+    assert first["version"] == second["version"] == 1

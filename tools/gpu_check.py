@@ -15,7 +15,11 @@ bfloat16 on the GPU:
    landing check passes) and moves the served log-probabilities; pushing the launch
    weights back lands too;
 3. the landing check refuses an engine that was given other weights behind its back;
-4. SGLang (if ``--sglang-python``): the same reload through ``/update_weights_from_disk``,
+4. NCCLPush (when dew's own JAX sees a CUDA GPU, which needs JAX's CUDA build in its
+   environment): a second vLLM launched with ``--weight-transfer-config '{"backend": "nccl"}'``
+   takes the halved policy by broadcast from the engine's own ``libnccl.so.2`` and lands,
+   then the launch weights, which reproduce its first answers;
+5. SGLang (if ``--sglang-python``): the same reload through ``/update_weights_from_disk``,
    with its landing check, and OpenAIRolloutServer draws from its ``/v1/completions``.
 
 Prints one line per check and a JSON summary; exits 1 on the first failure. Not run on
@@ -39,6 +43,7 @@ import numpy as np
 
 from dew.inference import (
     LandingError,
+    NCCLPush,
     OpenAICompletion,
     OpenAIRolloutServer,
     Publication,
@@ -89,6 +94,28 @@ def check_vllm(python: str, pretrained, variables, work: Path, results: dict) ->
             report(results, "vllm landing check refuses other weights", 0, False)
         except LandingError as error:
             report(results, "vllm landing check refuses other weights", str(error)[:80], True)
+
+
+def check_nccl(python: str, pretrained, variables, work: Path, results: dict) -> None:
+    if jax.devices()[0].platform != "gpu":
+        print("skip NCCLPush: dew's JAX has no CUDA GPU here (install JAX's CUDA build to check it)", flush=True)
+        return
+    library = next(Path(python).parent.parent.glob("lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2"), None)
+    report(results, "the engine environment's libnccl.so.2", str(library), library is not None)
+    directory, port = work / "nccl-policy", free_port()
+    SafetensorsReload(pretrained, directory, [], "vllm").write(variables)
+    with VLLMEngine(directory, name="tiny", python=python, dtype="bfloat16", port=port, memory_share=0.3,
+                    args=["--weight-transfer-config", '{"backend": "nccl"}']) as engine:
+        push = NCCLPush(pretrained, [engine.url], library)
+        publication = Publication(push)
+        before = np.asarray(SCORERS["vllm"](engine.url, push.landing.probe))
+        started = time.perf_counter()
+        publication.load(halved_down_proj(variables), 1)
+        report(results, "NCCLPush (halved down_proj) landed, seconds", time.perf_counter() - started, True)
+        publication.load(variables, 2)
+        back = float(np.abs(np.asarray(SCORERS["vllm"](engine.url, push.landing.probe)) - before).max())
+        report(results, "NCCLPush of the launch weights reproduces the first answers (nats)", back, back < 1e-3)
+        push.close()
 
 
 def check_sglang(python: str, pretrained, variables, work: Path, results: dict) -> None:
@@ -142,6 +169,7 @@ def main() -> None:
     pretrained, results = Pretrained.from_model(model), {}
     with tempfile.TemporaryDirectory(prefix="dew-gpu-check-") as scratch:
         check_vllm(args.vllm_python, pretrained, variables, Path(scratch), results)
+        check_nccl(args.vllm_python, pretrained, variables, Path(scratch), results)
         if args.sglang_python:
             check_sglang(args.sglang_python, pretrained, variables, Path(scratch), results)
     print(json.dumps(results, indent=2))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import threading
 import uuid
@@ -191,33 +192,36 @@ class HarborCLI:
 
     ``harbor`` is the Harbor executable (Harbor needs Python >= 3.12, so it usually lives
     in an environment of its own); the task's Harbor task directory is ``tasks / task.data
-    ["harbor_task"]`` (or ``tasks / task.id``). The agent reaches the model through
-    ``--agent-kwarg api_base=<trial base URL>`` as ``openai/<model>`` (litellm's OpenAI
-    route), and ``allow_hosts`` go to ``--allow-agent-host`` for a task whose agent phase
-    runs with ``network_mode = "allowlist"``. ``args`` are added as they are (for example
-    ``["--environment-type", "daytona"]``). The outcome comes from the trial's
+    ["harbor_task"]`` (or ``tasks / task.id``). The agent reaches the model through Harbor's
+    ``--base-url <trial base URL>`` as ``openai/<model>``, and ``allow_hosts`` go to
+    ``--allow-agent-host`` for a task whose agent phase runs with ``network_mode =
+    "allowlist"``. ``args`` are added as they are (for example ``["--env", "daytona"]``, or
+    ``["--env", "dew_harbor.bubblewrap:BubblewrapEnvironment"]`` on a machine without
+    containers); ``env`` adds environment variables for Harbor's process. The outcome comes from the trial's
     ``result.json``: ``verifier_result.rewards["reward"]`` (the other rewards are the
     components), ``exception_info`` an agent error or an infrastructure error by its type.
     """
 
     def __init__(self, tasks, trials_dir, *, harbor: str = "harbor", agent: str = "terminus-2",
-                 allow_hosts: Sequence[str] = (), args: Sequence[str] = (), timeout: float = 3600.0):
+                 allow_hosts: Sequence[str] = (), args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 timeout: float = 3600.0):
         self.tasks, self.trials_dir = Path(tasks), Path(trials_dir)
         self.harbor, self.agent, self.allow_hosts, self.args = harbor, agent, tuple(allow_hosts), tuple(args)
-        self.timeout = timeout
+        self.env, self.timeout = dict(env or {}), timeout
 
     def command(self, trial: Trial) -> list[str]:
         task = self.tasks / str(trial.task.data.get("harbor_task", trial.task.id))
         command = [self.harbor, "trials", "start", "--path", str(task), "--trials-dir", str(self.trials_dir),
                    "--trial-name", trial.session, "--agent", self.agent, "--model", f"openai/{trial.model}",
-                   "--agent-kwarg", f"api_base={trial.base_url}"]
+                   "--base-url", trial.base_url]
         for host in self.allow_hosts:
             command += ["--allow-agent-host", host]
         return command + list(self.args)
 
     def __call__(self, trial: Trial) -> TrialOutcome:
         try:
-            finished = subprocess.run(self.command(trial), capture_output=True, text=True, timeout=self.timeout)
+            finished = subprocess.run(self.command(trial), capture_output=True, text=True, timeout=self.timeout,
+                                      env={**os.environ, **self.env})
         except subprocess.TimeoutExpired:
             return TrialOutcome("error", detail=f"harbor did not finish the trial within {self.timeout:.0f} s")
         except OSError as error:

