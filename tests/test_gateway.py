@@ -105,7 +105,7 @@ def post(url, body, timeout=60):
 
 def agent(turns=2, reward=1.0):
     """A harness stand-in: chats ``turns`` times through the trial's base URL, as Harbor's agent would."""
-    seen = []
+    seen = {}  # session -> what each call's reply carried
 
     def run(trial):
         messages = [{"role": "user", "content": f"Task {trial.task.id}: tell me a story."}]
@@ -114,7 +114,7 @@ def agent(turns=2, reward=1.0):
                                  {"model": trial.model, "messages": messages, "max_tokens": 6, "seed": 3})
             if status != 200:
                 return TrialOutcome("error", detail=f"the model call answered {status}: {reply}")
-            seen.append(reply["choices"][0]["dew"])
+            seen.setdefault(trial.session, []).append(reply["choices"][0]["dew"])
             messages += [reply["choices"][0]["message"], {"role": "user", "content": "Go on."}]
         return TrialOutcome("completed", reward, {"tests": reward})
 
@@ -186,13 +186,15 @@ def test_harbor_source_reads_each_trials_exact_calls_back_from_the_gateway(gatew
             futures = source.submit(Task("t1", {}), group=0, samples=2)
             sessions = [future.result(timeout=120) for future in futures]
         assert proxy.forwarded == 4 and proxy.refused == 0
-    by_sampled = {tuple(seen["token_ids"]): seen for seen in harness.seen}
+    assert len(harness.seen) == 2
     for session in sessions:
         assert session.status is Status.COMPLETED and session.reward == 1.0 and session.components == {"tests": 1.0}
         assert len(session.calls) == 2 and session.sample in (0, 1)
-        for call in session.calls:  # the ids the engine drew and the likelihoods it reported, unchanged
-            assert call.version == 7
-            assert call.behavior_log_probs == pytest.approx(by_sampled[tuple(call.sampled_ids)]["logprobs"], abs=0)
+        # The session's own replies (its name carries the task, group and sample), matched by what was drawn.
+        (replies,) = [r for name, r in harness.seen.items() if name.startswith(f"t1-g0-s{session.sample}-")]
+        for call, reply in zip(session.calls, replies):  # the ids the engine drew and the likelihoods it reported
+            assert call.version == 7 and list(call.sampled_ids) == reply["token_ids"]
+            assert list(call.behavior_log_probs) == reply["logprobs"]
         first, second = session.calls
         assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids  # the second turn's context
         rendered = front.tokenizer.apply_chat_template(
@@ -391,3 +393,26 @@ def test_harbor_source_trains_on_real_harbor_trials_through_the_proxy(gateway, f
         assert first.prompt_ids == front.tokenizer.encode(rendered) and first.version == second.version == 3
         assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
         assert all(len(c.behavior_log_probs) == len(c.sampled_ids) > 0 for c in session.calls)
+
+
+def test_a_worker_that_dies_mid_run_turns_later_sessions_into_infra_errors(tmp_path):
+    tokenizer = story_tokenizer()
+    model = story_decoder(len(tokenizer), max_seq_len=96)
+    variables = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 4), jnp.int32))
+    rollout = NativeRolloutServer(Server(model, variables, Sampling(temperature=1.0, eos_id=tokenizer.eos_token_id),
+                                         slots=2, capacity=96))
+    front = OpenAIFront(rollout, tokenizer=tokenizer, model_name="dew-story")
+    post(f"{front.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "Warm up."}], "max_tokens": 6},
+         timeout=300)
+    process = GatewayProcess([f"{front.url}/v1"], tmp_path)
+    try:
+        with HarborSource(Gateway(process.url), harbor=agent(turns=1), model="dew-story", trials=1,
+                          served=Publication(lambda v, n: None)) as source:
+            before = source.submit(Task("t5", {}), 0, 1)[0].result(timeout=120)
+            front.close()  # the engine behind the gateway goes away
+            rollout.close()
+            after = source.submit(Task("t5", {}), 0, 1)[0].result(timeout=120)
+        assert before.status is Status.COMPLETED and len(before.calls) == 1
+        assert after.status is Status.INFRA_ERROR and after.calls == [] and "the model call answered 5" in after.detail
+    finally:
+        process.close()

@@ -134,7 +134,8 @@ class VLLMEngine:
     """A vLLM server process on ``model`` (see the module docstring); ``url`` is its root.
 
     ``dtype`` is what vLLM computes in; ``args`` adds engine flags (for example
-    ``["--logprobs-mode", "processed_logprobs"]``). On CPU the KV cache takes
+    ``["--logprobs-mode", "processed_logprobs"]``); ``tokenizer=True`` loads the model directory's
+    tokenizer, which chat completions need (by default vLLM skips it and takes token ids only). On CPU the KV cache takes
     ``kv_cache_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and ``--gpu-memory-utilization`` is the
     share of host memory vLLM may reserve. The engine runs under a guard in a process group of
     its own (:data:`GUARD`): when the process that started it dies, even by SIGKILL, the guard
@@ -148,7 +149,8 @@ class VLLMEngine:
     def __init__(self, model, *, name: str = "dew", port: int | None = None, host: str = "127.0.0.1",
                  dtype: str = "float32", max_model_len: int = 256, max_num_seqs: int = 64, args: Sequence[str] = (),
                  python: str | Path | None = None, kv_cache_gib: int = 1, memory_share: float = 0.2,
-                 log: str | Path | None = None, startup_timeout: float = 300.0, env: dict | None = None):
+                 log: str | Path | None = None, startup_timeout: float = 300.0, env: dict | None = None,
+                 tokenizer: bool = False):
         python = python or engine_python("vllm")
         if python is None:
             raise FileNotFoundError(
@@ -159,7 +161,8 @@ class VLLMEngine:
         self.log_path = Path(log) if log else self.model.parent / f"vllm-{self.port}.log"
         command = [
             str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-            "--served-model-name", name, "--skip-tokenizer-init", "--host", host, "--port", str(self.port),
+            "--served-model-name", name, *([] if tokenizer else ["--skip-tokenizer-init"]), "--host", host,
+            "--port", str(self.port),
             "--max-model-len", str(max_model_len), "--dtype", dtype, "--enforce-eager",
             "--gpu-memory-utilization", str(memory_share), "--max-num-seqs", str(max_num_seqs),
             "--max-num-batched-tokens", str(max(2048, max_num_seqs * max_model_len)), *args,
