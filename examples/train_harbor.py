@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=4, help="trials per task (the GRPO group)")
     parser.add_argument("--tasks-per-step", type=int, default=2)
     parser.add_argument("--width", type=int, default=8192, help="the packed row width in ids")
+    parser.add_argument("--rows-per-session", type=int, default=2, help="packed rows a session may take: a chat "
+                        "harness re-renders its history, so its calls often pack as separate chains")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--output-dir", default="runs/harbor")
     args = parser.parse_args(argv)
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     objective = GRPOObjective(model, seq_len=args.width - 1, pretrained=params, behavior_importance=2.0)
     scheduler = RolloutScheduler(
-        objective, source, served, width=args.width, rows=args.tasks_per_step * args.groups,
+        objective, source, served, width=args.width, rows=args.tasks_per_step * args.groups * args.rows_per_session,
         tasks=lambda batch: [Task(names[i], {"harbor_task": names[i]}) for i in batch["task_id"].tolist()],
         groups=args.groups, max_lag=1, ahead=1, log=lambda record: print(record.metrics))
     per_step = args.tasks_per_step

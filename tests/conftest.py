@@ -15,6 +15,21 @@ ROOT = Path(__file__).resolve().parents[1]
 from dew.inference.engines import free_port  # noqa: E402 (after the environment above); tests import it from here
 
 
+def two_processes(worker: str, arguments, timeout: float = 240) -> None:
+    """Run ``tests/workers/<worker> PROCESS PORT *arguments(PROCESS)`` as processes 0 and 1 of one CPU job;
+    fails with both logs unless both exit 0."""
+    port, env = free_port(), {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    workers = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / worker), str(p), str(port),
+                                 *arguments(p)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) for p in (0, 1)]
+    try:
+        logs = [worker.communicate(timeout=timeout)[0] for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    assert all(worker.returncode == 0 for worker in workers), "\n----\n".join(logs)
+
+
 def run_python(code: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (own XLA flags, own JAX backend) and fail on a non-zero exit."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}

@@ -23,7 +23,7 @@ base, model, instruction = sys.argv[1], sys.argv[2], sys.argv[3]
 messages = [{"role": "user", "content": instruction}]
 for turn in range(2):
     request = urllib.request.Request(base + "/chat/completions", headers={"Content-Type": "application/json"},
-        data=json.dumps({"model": model, "messages": messages, "max_tokens": 6, "seed": turn}).encode())
+        data=json.dumps({"model": model, "messages": messages, "max_tokens": 6}).encode())
     with urllib.request.urlopen(request, timeout=120) as response:
         reply = json.loads(response.read())["choices"][0]["message"]
     messages += [reply, {"role": "user", "content": "Go on."}]

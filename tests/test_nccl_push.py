@@ -176,25 +176,13 @@ def test_the_pipeline_publishes_by_nccl_only_with_gpus_on_both_sides(tiny_qwen3,
 
 def test_on_two_trainer_processes_the_first_devices_process_sends_and_both_agree(tiny_qwen3, tmp_path):
     import json
-    import os
-    import subprocess
-    import sys
 
-    from conftest import ROOT, free_port
+    from conftest import two_processes
 
     directory = tmp_path / "policy"
     shutil.copytree(tiny_qwen3[2], directory)
-    port, env = free_port(), {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     outs = [tmp_path / f"nccl-{p}.json" for p in (0, 1)]
-    workers = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "nccl_worker.py"), str(p), str(port),
-                                 str(directory), str(outs[p])], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for p in (0, 1)]
-    try:
-        logs = [worker.communicate(timeout=240)[0] for worker in workers]
-    finally:
-        for worker in workers:
-            worker.kill()
-    assert all(worker.returncode == 0 for worker in workers), "\n----\n".join(logs)
+    two_processes("nccl_worker.py", lambda p: [str(directory), str(outs[p])])
     first, second = (json.loads(out.read_text()) for out in outs)
     assert first["after_first"] == second["after_first"] == 1 and first["served"] == "1"
     assert first["second"].startswith("EngineError:") and "out of memory" in first["second"]

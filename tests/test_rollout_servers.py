@@ -367,26 +367,13 @@ def test_native_server_landing_check_catches_stale_weights(tiny_qwen3):
 @pytest.mark.slow
 def test_on_two_trainer_processes_one_publishes_and_both_agree_on_the_outcome(standin_directory):
     # Stand-in: SGLang's wheel needs CUDA. Both processes call the push; process 0 alone writes and reloads.
-    import os
-    import subprocess
-    import sys
-
-    from conftest import ROOT, free_port
+    from conftest import two_processes
 
     with SGLangStandIn(standin_directory) as engine:
         engine.fail = {"route": "/update_weights_from_disk", "after": 1, "status": 400,
                        "body": {"success": False, "message": "Failed to update weights: disk full"}}
-        port, env = free_port(), {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
         outs = [standin_directory.parent / f"reload-{p}.json" for p in (0, 1)]
-        workers = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "reload_worker.py"), str(p),
-                                     str(port), engine.url, str(standin_directory), str(outs[p])], env=env, cwd=ROOT,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in (0, 1)]
-        try:
-            logs = [worker.communicate(timeout=240)[0] for worker in workers]
-        finally:
-            for worker in workers:
-                worker.kill()
-        assert all(worker.returncode == 0 for worker in workers), "\n----\n".join(logs)
+        two_processes("reload_worker.py", lambda p: [engine.url, str(standin_directory), str(outs[p])])
         first, second = (json.loads(out.read_text()) for out in outs)
     assert first["after_first"] == second["after_first"] == 1  # the first push landed, for both
     reloads = [body for path, body in engine.calls if path == "/update_weights_from_disk"]

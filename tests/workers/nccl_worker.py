@@ -12,7 +12,8 @@ leaves with os._exit (jax.distributed's shutdown barrier would wait for a peer t
 import json
 import os
 import sys
-import traceback
+
+from exits import run_and_exit
 
 
 class NeverSends:
@@ -63,11 +64,4 @@ def main(process: int, port: str, directory: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(int(sys.argv[1]), *sys.argv[2:])
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)
+    run_and_exit(main)

@@ -10,9 +10,8 @@ barrier, which waits for a peer that may already be gone.
 """
 
 import json
-import os
-import sys
-import traceback
+
+from exits import run_and_exit
 
 
 def main(process: int, port: str, url: str, directory: str, out: str) -> None:
@@ -47,11 +46,4 @@ def main(process: int, port: str, url: str, directory: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(int(sys.argv[1]), *sys.argv[2:])
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)
+    run_and_exit(main)
