@@ -200,6 +200,7 @@ class NCCLSender:
             self._cuda = _CudaRuntime(cuda_runtime_path())
             self._cuda.set_device(device.local_hardware_id)
             self._stream = self._cuda.stream()
+        self._cuda.set_device(self.device.local_hardware_id)  # CUDA's current device is per thread
         return self._cuda
 
     def join(self, unique_id: bytes, world_size: int) -> int:
