@@ -221,7 +221,7 @@ def test_failed_trials_become_infra_errors_without_invented_calls(gateway):
         assert session.status is Status.INFRA_ERROR and session.calls == [] and detail in session.detail
     with HarborSource(Gateway(gateway.url), harbor=agent(), model="dew-story") as source:  # no version anywhere
         session = source.submit(Task("t3", {}), group=0, samples=1)[0].result(timeout=120)
-    assert session.status is Status.INFRA_ERROR and "without a weight_version" in session.detail
+    assert session.status is Status.INFRA_ERROR and "has no weight_version and the source has no served publisher" in session.detail
     with pytest.raises(GatewayError, match="not ready within 1 s"):
         HarborSource(Gateway(f"http://127.0.0.1:{free_port()}"), harbor=agent(), model="m",
                      ready_timeout=1).submit(Task("t4", {}), 0, 1)
@@ -230,8 +230,12 @@ def test_failed_trials_become_infra_errors_without_invented_calls(gateway):
 def test_a_trace_missing_ids_or_likelihoods_is_refused_by_name():
     trace = {"trace_id": "abc", "prompt_token_ids": [1, 2], "completion_token_ids": [3, 4], "logprobs": [-0.5, -0.25],
              "finish_reason": "tool_calls", "weight_version": 2}
-    call = trace_call(trace, 0, fallback_version=0)
+    call = trace_call(trace, 0, fallback_version=None)
     assert call.finish_reason == "stop" and call.version == 2 and list(call.sampled_ids) == [3, 4]
+    unstamped = {key: value for key, value in trace.items() if key != "weight_version"}
+    assert trace_call(unstamped, 0, fallback_version=5).version == 5
+    with pytest.raises(ValueError, match="trace 0 \\(abc\\) has no weight_version"):
+        trace_call(unstamped, 0, fallback_version=None)
     for change, message in [({"prompt_token_ids": []}, "trace 0 \\(abc\\) has no prompt_token_ids"),
                             ({"logprobs": None}, "has no logprobs"),
                             ({"completion_token_ids": None}, "has no completion_token_ids"),

@@ -73,8 +73,11 @@ class TrialOutcome:
     detail: str = ""
 
 
-def trace_call(trace: Mapping[str, Any], index: int, fallback_version: int, eos_ids: Sequence[int] = ()) -> Call:
-    """The Call one gateway trace records; ValueError naming the trace and the missing field otherwise."""
+def trace_call(trace: Mapping[str, Any], index: int, fallback_version: int | None,
+               eos_ids: Sequence[int] = ()) -> Call:
+    """The Call one gateway trace records; ValueError naming the trace and the missing field otherwise.
+
+    ``fallback_version`` labels a trace the gateway did not stamp; None refuses such a trace."""
     where = f"trace {index} ({trace.get('trace_id', '?')})"
     prompt, sampled = trace.get("prompt_token_ids") or [], trace.get("completion_token_ids")
     log_probs = trace.get("logprobs")
@@ -85,6 +88,9 @@ def trace_call(trace: Mapping[str, Any], index: int, fallback_version: int, eos_
         raise ValueError(f"{where} has no {'completion_token_ids' if sampled is None else 'logprobs'}: the engine did "
                          "not report what it sampled")
     version = trace.get("weight_version", (trace.get("metadata") or {}).get("weight_version", fallback_version))
+    if version is None:
+        raise ValueError(f"{where} has no weight_version and the source has no served publisher to label it; "
+                         "pass served= or stamp the gateway")
     reason = {"tool_calls": "stop"}.get(trace.get("finish_reason"), trace.get("finish_reason") or "stop")
     call = Call(prompt_ids=list(prompt), sampled_ids=list(sampled), behavior_log_probs=list(log_probs),
                 finish_reason=reason, version=int(version))
@@ -158,14 +164,8 @@ def _finished(session: Session, outcome: TrialOutcome, traces: list[dict], versi
     if status is Status.INFRA_ERROR:
         session.detail = outcome.detail or "the trial reported an error"
         return session
-    if version is None and any("weight_version" not in t and "weight_version" not in (t.get("metadata") or {})
-                               for t in traces):
-        session.detail = (f"gateway session {name} has calls without a weight_version and the source has no served "
-                          "publisher to label them; pass served= or stamp the gateway")
-        return session
     try:
-        calls = [trace_call(trace, index, version if version is not None else 0, eos_ids)
-                 for index, trace in enumerate(traces)]
+        calls = [trace_call(trace, index, version, eos_ids) for index, trace in enumerate(traces)]
     except ValueError as error:
         session.detail = f"gateway session {name}: {error}"
         return session

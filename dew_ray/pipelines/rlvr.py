@@ -296,6 +296,8 @@ class RLVRPipeline:
             directory, self.config.servers, name=ENGINE_MODEL, dtype=self.config.engine_dtype,
             max_model_len=setup.width, max_num_seqs=self.config.slots, args=engine_args(self.config),
             placement=lambda i: self.placement.options("rollout server", i))
+        # The driver's own pushes (the final policy, for the held-out measure) go through the disk whatever
+        # engine_push the trainers use: the driver holds no GPU to broadcast from.
         self.pool = engine_rollouts(setup, self.model, version=-1)
         return actors
 

@@ -9,11 +9,10 @@ must not send from there. Each writes ``{"after_first", "second", "version"}`` t
 leaves with os._exit (jax.distributed's shutdown barrier would wait for a peer that is gone).
 """
 
-import json
 import os
 import sys
 
-from exits import run_and_exit
+from publishing import publish_twice, run_and_exit
 
 
 class NeverSends:
@@ -51,16 +50,7 @@ def main(process: int, port: str, directory: str, out: str) -> None:
     else:
         sender, urls = NeverSends(), ["http://127.0.0.1:9"]  # never contacted from this process
     publication = Publication(NCCLPush(Pretrained.from_model(model), urls, None, sender=sender))
-    publication.load(variables, 1)
-    after_first = publication.version
-    second = None
-    try:
-        publication.load(variables, 2)
-    except Exception as error:  # the outcome every process must agree on
-        second = f"{type(error).__name__}: {error}"
-    with open(out, "w") as file:
-        json.dump({"after_first": after_first, "second": second, "version": publication.version,
-                   "served": engine.weight_version if engine else None}, file)
+    publish_twice(publication, variables, out, served=lambda: engine.weight_version if engine else None)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,8 @@ to OUT. It leaves with os._exit: a normal exit would run jax.distributed's shutd
 barrier, which waits for a peer that may already be gone.
 """
 
-import json
 
-from exits import run_and_exit
+from publishing import publish_twice, run_and_exit
 
 
 def main(process: int, port: str, url: str, directory: str, out: str) -> None:
@@ -34,15 +33,7 @@ def main(process: int, port: str, url: str, directory: str, out: str) -> None:
     variables = jax.tree.map(lambda x: jax.make_array_from_process_local_data(replicated, x), host)
     publication = Publication(SafetensorsReload(Pretrained.from_model(model), directory, [url], "sglang",
                                                 served_dtype="float32"))
-    publication.load(variables, 1)
-    after_first = publication.version
-    second = None
-    try:
-        publication.load(variables, 2)
-    except Exception as error:  # the outcome every process must agree on
-        second = f"{type(error).__name__}: {error}"
-    with open(out, "w") as file:
-        json.dump({"after_first": after_first, "second": second, "version": publication.version}, file)
+    publish_twice(publication, variables, out)
 
 
 if __name__ == "__main__":
