@@ -9,8 +9,8 @@ torchvision/torchaudio/torchcodec wheels it pulls, which are not built for its t
 break importing a Qwen3 model). ``python tools/engine_env.py gateway`` builds
 rllm-model-gateway 0.1.0 the same way (the recording gateway agentic runs put in front of
 an engine; dew attaches to one, and the tests start one), and ``harbor`` builds Harbor 0.25
-on a Python 3.12 it finds (:func:`interpreter`). A build writes ``READY`` last, so an interrupted one is
-rebuilt rather than used.
+on a Python 3.12 it finds (:func:`interpreter`). A build writes ``READY`` last, so an
+interrupted one is rebuilt rather than used.
 
 :class:`VLLMEngine` launches ``python -m vllm.entrypoints.openai.api_server`` from that
 environment (the ``vllm`` console script looks for a distribution named ``vllm``, which the
@@ -40,7 +40,7 @@ RECIPES = {
         "remove": ["torchvision", "torchaudio", "torchcodec"],
         "probe": "import vllm.entrypoints.openai.api_server",
     },
-    # Harbor, which runs agent trials (it needs Python >= 3.12: the interpreter is looked up, see harbor_python).
+    # Harbor, which runs agent trials (it needs Python >= 3.12: the interpreter is looked up, see interpreter).
     "harbor": {
         "folder": "harbor-0.25.0",
         "install": ["harbor==0.25.0"],
@@ -134,9 +134,9 @@ class VLLMEngine:
     """A vLLM server process on ``model`` (see the module docstring); ``url`` is its root.
 
     ``dtype`` is what vLLM computes in; ``args`` adds engine flags (for example
-    ``["--logprobs-mode", "processed_logprobs"]``); ``tokenizer=True`` loads the model directory's
-    tokenizer, which chat completions need (by default vLLM skips it and takes token ids only). On CPU the KV cache takes
-    ``kv_cache_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and ``--gpu-memory-utilization`` is the
+    ``["--logprobs-mode", "processed_logprobs"]``); ``tokenizer=True`` loads the model
+    directory's tokenizer, which chat completions need (by default vLLM skips it and takes
+    token ids only). On CPU the KV cache takes ``kv_cache_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and ``--gpu-memory-utilization`` is the
     share of host memory vLLM may reserve. The engine runs under a guard in a process group of
     its own (:data:`GUARD`): when the process that started it dies, even by SIGKILL, the guard
     is told by the kernel (``PR_SET_PDEATHSIG``) and kills the group, vLLM's engine-core and

@@ -48,7 +48,7 @@ import numpy as np
 
 from dew.inference.landing import LandingCheck
 from dew.inference.nccl import NCCLSender
-from dew.inference.reload import each_replica, land, on_one_process
+from dew.inference.reload import PAUSED, each_replica, land, on_one_process, vllm_commit, vllm_pause
 from dew.inference.wire import EngineError, expect
 from dew.models.pretrained import Pretrained
 from dew.sharding import collective_host
@@ -183,9 +183,8 @@ class NCCLPush:
                     answer.result()
 
     def _start(self, url: str) -> None:
-        dev = "vLLM serves this development endpoint only with VLLM_SERVER_DEV_MODE=1"
-        expect(f"{url}/pause?mode=wait", timeout=self.timeout, rule=dev)
-        expect(f"{url}/start_weight_update", timeout=self.timeout, rule=f"{dev}; the replica stays paused")
+        vllm_pause(url, self.timeout)
+        expect(f"{url}/start_weight_update", timeout=self.timeout, rule=PAUSED)
 
     def _transfer(self, tensors: dict[str, np.ndarray], version: int) -> None:
         """``/update_weights`` on every replica while the chunks are broadcast to every group."""
@@ -196,7 +195,7 @@ class NCCLPush:
         try:
             updates: dict[str, Future] = {
                 url: pool.submit(expect, f"{url}/update_weights", {"update_info": update_info},
-                                 timeout=self.timeout, rule="the replica stays paused")
+                                 timeout=self.timeout, rule=PAUSED)
                 for url in self.engines}
             try:
                 for names in chunks(tensors, self.buffer_bytes):
@@ -229,11 +228,5 @@ class NCCLPush:
         self._broken = reason
 
     def _finish(self, url: str, version: int) -> None:
-        rule = "the replica stays paused"
-        expect(f"{url}/finish_weight_update", timeout=self.timeout, rule=rule)
-        reset = expect(f"{url}/reset_prefix_cache", timeout=self.timeout, rule=rule)
-        if reset != {"success": True}:
-            raise EngineError(f"{url}: /reset_prefix_cache answered {reset!r}, not {{'success': true}}: the cache may "
-                              "hold blocks of the old weights; the replica stays paused")
-        expect(f"{url}/update_weight_version", {"new_version": str(version)}, timeout=self.timeout, rule=rule)
-        expect(f"{url}/resume", timeout=self.timeout, rule=rule)
+        expect(f"{url}/finish_weight_update", timeout=self.timeout, rule=PAUSED)
+        vllm_commit(url, version, self.timeout)

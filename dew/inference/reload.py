@@ -121,17 +121,9 @@ class SafetensorsReload:
             self.published = land(self.landing, self.engines, self.engine, variables, version, self.timeout)
 
     def _vllm(self, url: str, version: int) -> None:
-        dev = "vLLM serves this development endpoint only with VLLM_SERVER_DEV_MODE=1"
-        expect(f"{url}/pause?mode=wait", timeout=self.timeout, rule=dev)
-        expect(f"{url}/collective_rpc", {"method": "reload_weights"}, timeout=self.timeout,
-               rule=f"{dev}; the replica stays paused")
-        reset = expect(f"{url}/reset_prefix_cache", timeout=self.timeout, rule=f"{dev}; the replica stays paused")
-        if reset != {"success": True}:
-            raise EngineError(f"{url}: /reset_prefix_cache answered {reset!r}, not {{'success': true}}: the cache may "
-                              "hold blocks of the old weights; the replica stays paused")
-        expect(f"{url}/update_weight_version", {"new_version": str(version)}, timeout=self.timeout,
-               rule="the replica stays paused")
-        expect(f"{url}/resume", timeout=self.timeout, rule="the replica stays paused")
+        vllm_pause(url, self.timeout)
+        expect(f"{url}/collective_rpc", {"method": "reload_weights"}, timeout=self.timeout, rule=PAUSED)
+        vllm_commit(url, version, self.timeout)
 
     def _sglang(self, url: str, version: int) -> None:
         body = {"model_path": str(self.directory), "flush_cache": True, "abort_all_requests": False,
@@ -141,6 +133,26 @@ class SafetensorsReload:
         if not isinstance(answer, dict) or answer.get("success") is not True:
             raise EngineError(f"{url}: /update_weights_from_disk answered {answer!r:.300} without success: true; "
                               "SGLang re-reads the same directory as its rollback")
+
+
+DEV = "vLLM serves this development endpoint only with VLLM_SERVER_DEV_MODE=1"
+PAUSED = f"{DEV}; the replica stays paused"
+
+
+def vllm_pause(url: str, timeout: float) -> None:
+    """A vLLM push's first step: ``/pause?mode=wait`` (in-flight requests finish, no new ones start)."""
+    expect(f"{url}/pause?mode=wait", timeout=timeout, rule=DEV)
+
+
+def vllm_commit(url: str, version: int, timeout: float) -> None:
+    """A vLLM push's last steps once the weights are in: a prefix-cache reset that must answer
+    ``{"success": true}``, ``/update_weight_version`` and ``/resume``. A failure leaves the replica paused."""
+    reset = expect(f"{url}/reset_prefix_cache", timeout=timeout, rule=PAUSED)
+    if reset != {"success": True}:
+        raise EngineError(f"{url}: /reset_prefix_cache answered {reset!r}, not {{'success': true}}: the cache may "
+                          "hold blocks of the old weights; the replica stays paused")
+    expect(f"{url}/update_weight_version", {"new_version": str(version)}, timeout=timeout, rule=PAUSED)
+    expect(f"{url}/resume", timeout=timeout, rule=PAUSED)
 
 
 def each_replica(engines: Sequence[str], step: Callable[[str], None], what: str) -> None:
