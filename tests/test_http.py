@@ -5,19 +5,15 @@ import urllib.request
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import story_server
 
-from dew.data.stories import story_decoder, story_tokenizer
-from dew.inference import NativeRolloutServer, OpenAIFront, Server
+from dew.inference import OpenAIFront
 from dew.sampling import Sampling
 
 
 @pytest.fixture(scope="module")
 def front():
-    tokenizer = story_tokenizer()
-    model = story_decoder(len(tokenizer), max_seq_len=64)
-    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    sampling = Sampling(temperature=1.0, top_k=20, eos_id=tokenizer.eos_token_id)
-    rollout = NativeRolloutServer(Server(model, variables, sampling, slots=4, capacity=64))
+    tokenizer, rollout = story_server(capacity=64)
     with OpenAIFront(rollout, tokenizer=tokenizer) as http:
         yield http
     rollout.close()
