@@ -22,10 +22,10 @@ from dew.records.sessions import Call, Session, check_options, check_truncation,
 from dew.validation import integer, positive_int
 
 
-
-
 @dataclasses.dataclass
-class _Chain:
+class Chain:
+    """One strict chain of a session's calls: its ids and, aligned with them, what each id is."""
+
     session: int
     ids: list = dataclasses.field(default_factory=list)
     response: list = dataclasses.field(default_factory=list)
@@ -35,15 +35,22 @@ class _Chain:
     calls: list = dataclasses.field(default_factory=list)
     routed: list = dataclasses.field(default_factory=list)  # (call, record) in call order
     support: list = dataclasses.field(default_factory=list)  # (chain position, kept ids)
+    members: list = dataclasses.field(default_factory=list)  # (call index, where its sampled ids start, how many)
     has_old: bool = True
 
     def __len__(self) -> int:
         return len(self.ids)
 
 
-def chains_of(session: Session, number: int) -> list[_Chain]:
-    """The session's calls as chains: call k + 1 joins when its prompt starts with the whole chain."""
-    chains: list[_Chain] = []
+def chains_of(session: Session, number: int) -> list[Chain]:
+    """The chains of a session that hold sampled ids: the ones that take rows and loss mass."""
+    return [c for c in strict_chains(session, number) if any(c.response)]
+
+
+def strict_chains(session: Session, number: int = 0) -> list[Chain]:
+    """Every chain of the session's calls, in call order: call k + 1 joins when its prompt starts with the whole
+    chain. A call that sampled nothing keeps its place (``members``); ``number`` tags the chains' session."""
+    chains: list[Chain] = []
     chain = None
     for index, call in enumerate(session.calls):
         where = f"{session.describe()}, call {index}"
@@ -54,7 +61,7 @@ def chains_of(session: Session, number: int) -> list[_Chain]:
         if chain is not None and len(prompt) >= len(chain) and prompt[: len(chain)] == chain.ids:
             new = prompt[len(chain):]
         else:
-            chain = _Chain(number)
+            chain = Chain(number)
             chains.append(chain)
             new = prompt
         chain.ids += new
@@ -65,6 +72,7 @@ def chains_of(session: Session, number: int) -> list[_Chain]:
         chain.calls += [-1] * len(new)
         sampled = [int(i) for i in call.sampled_ids]
         position = len(chain)
+        chain.members.append((index, position, len(sampled)))
         chain.ids += sampled
         chain.response += [1] * len(sampled)
         chain.behavior += [float(x) for x in call.behavior_log_probs]
@@ -80,7 +88,7 @@ def chains_of(session: Session, number: int) -> list[_Chain]:
         if call.support is not None:
             for offset, kept in enumerate(call.support):
                 chain.support.append((position + offset, [int(i) for i in kept if int(i) >= 0]))
-    return [c for c in chains if any(c.response)]
+    return chains
 
 
 def _trained(sessions: Sequence[Session], truncation: str) -> list[tuple[int, Session, float]]:
