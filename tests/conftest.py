@@ -1,3 +1,4 @@
+import importlib
 import os
 import subprocess
 import sys
@@ -13,6 +14,15 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 
 from dew.inference.engines import free_port  # noqa: E402 (after the environment above); tests import it from here
+
+
+def import_from(folder: str, module: str):
+    """A module of one of the repository's script folders (tools/, examples/), without leaving it on sys.path."""
+    sys.path.insert(0, str(ROOT / folder))
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(str(ROOT / folder))
 
 
 def story_server(capacity: int, slots: int = 4, seed: int = 0, top_k: int | None = 20):

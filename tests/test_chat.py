@@ -1,13 +1,13 @@
 """ChatMessages: roles from chat templates, TRL parity on the real Qwen vocabulary, packing and errors."""
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import import_from
 
 from dew.data import ChatMessages, HFOptions, Loading, Partition, RecordError, Role
 from dew.data.stories import story_tokenizer
@@ -19,13 +19,8 @@ FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "chat_qwen3.json").read_text
 @pytest.fixture(scope="module")
 def qwen_path(tmp_path_factory):
     """The Qwen3 tokenizer of tools/parity_chat.py, saved so ChatMessages loads it with AutoTokenizer."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        from qwen3_vocab import qwen3_tokenizer
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
     directory = tmp_path_factory.mktemp("qwen3")
-    qwen3_tokenizer().save_pretrained(directory)
+    import_from("tools", "qwen3_vocab").qwen3_tokenizer().save_pretrained(directory)
     return directory
 
 

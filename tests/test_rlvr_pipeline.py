@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from safetensors.numpy import load_file
@@ -20,7 +21,11 @@ ray = pytest.importorskip("ray")
 
 from conftest import ROOT, free_port  # noqa: E402
 
+from dew.data.verifiable import task_tokenizer  # noqa: E402
+from dew.objectives.rl.verl import from_verl, to_verl  # noqa: E402
 from dew_ray.pipelines.rlvr import RLVRPipeline, RLVRPipelineConfig, load_config  # noqa: E402
+
+VERL_PARQUET = ROOT / "tests" / "fixtures" / "verl_gsm8k_tool_agent_loop.parquet"  # tools/verl_interop_reference.py
 
 # Small enough for a couple of minutes on 2 cores; the warm start is short, so rewards stay near zero here.
 TINY = ["steps=3", "sft_steps=10", "tasks_per_step=2", "samples=4", "max_new_tokens=40", "eval_tasks=4",
@@ -87,8 +92,10 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
     ray.init(num_cpus=3, include_dashboard=False, _metrics_export_port=port, log_to_driver=False,
              configure_logging=False)
     try:
-        # two trainer processes (one jax.distributed job), each scheduling its own task of every batch
-        with RLVRPipeline(tiny(tmp_path / "run", trainers=2, trainer_cpus=0.5)) as pipeline:
+        # two trainer processes (one jax.distributed job), each scheduling its own task of every batch, on the
+        # prompts of verl's gsm8k tool-agent parquet (chat messages), writing each update's rollouts as verl rows
+        with RLVRPipeline(tiny(tmp_path / "run", trainers=2, trainer_cpus=0.5, prompts=str(VERL_PARQUET),
+                               verl_rows=True, sft_batch=8)) as pipeline:
             started = pipeline.start()
             assert not started["restored"] and started["step"] == 0
             rows = pipeline.step(2)
@@ -111,13 +118,33 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
     assert (run / "rlvr.png").stat().st_size > 10_000 and (run / "summary.json").exists()
-    from dew.data.verifiable import task_tokenizer
+    truths = {row["reward_model"]["ground_truth"] for row in pq.read_table(VERL_PARQUET).to_pylist()}
+    for line in lines:  # what it wrote reads back: every admitted rollout of both processes, whole groups
+        written = read_verl_rows(run, line)
+        assert len(written) == 2 * 4 and {s.task.data["ground_truth"] for s in written} <= truths
+        assert sorted(s.sample for s in written) == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert all(s.reward in (0.0, 1.0) for s in written)
+        assert all(task_tokenizer().decode(s.calls[0].prompt_ids).endswith("\nassistant: ") for s in written)
     from dew.models.pretrained import Pretrained
 
     policy = Pretrained.from_directory(run / "policy")  # the final policy reads back from the Hugging Face layout
     variables = policy.load()
     assert policy.model().vocab_size == len(task_tokenizer()) and (run / "policy" / "tokenizer.json").exists()
     assert variables["params"]["embed_tokens"]["embedding"].shape[0] == len(task_tokenizer())
+
+
+def read_verl_rows(run: Path, line: dict) -> list:
+    """The sessions of one update's verl_rows file, checked against its metrics line: its tasks, at its version."""
+    rows = [json.loads(text) for text in (run / "verl_rows" / f"update-{line['step']:06d}.jsonl").read_text().splitlines()]
+    trajectories = from_verl(rows)
+    assert all(t.described for t in trajectories) and to_verl(trajectories) == rows
+    sessions = [t.session for t in trajectories]
+    assert {s.task.id for s in sessions} == set(line["tasks"])
+    assert min(c.version for s in sessions for c in s.calls) == line["scheduler/oldest_version"]
+    for session in sessions:
+        (call,) = session.calls
+        assert call.behavior_log_probs and max(call.behavior_log_probs) <= 0 and call.finish_reason in ("stop", "length")
+    return sessions
 
 
 def group_processes(group: int) -> list[int]:
@@ -281,7 +308,7 @@ def test_a_killed_main_job_resumes_from_its_checkpoint():
     env.pop("RAY_ADDRESS", None)
     name = f"kill-test-{os.getpid()}"
     # 40 warm-start steps: rewards are mixed, so the updates move the policy (10 leave every reward at 0)
-    options = [*TINY, "steps=5", "sft_steps=40", "checkpoint_every=2", "max_lag=0", "ahead=0"]
+    options = [*TINY, "steps=5", "sft_steps=40", "checkpoint_every=2", "max_lag=0", "ahead=0", "verl_rows=true"]
     command = [str(Path(sys.executable).parent / "dew-ray"), "rlvr", *[f"--set={item}" for item in options]]
     killed, uninterrupted = ROOT / "runs" / name, ROOT / "runs" / f"{name}-whole"
     try:
@@ -312,6 +339,9 @@ def test_a_killed_main_job_resumes_from_its_checkpoint():
         assert any(row["train/loss"] != 0 for row in rows)  # the policy moved
         tasks = [task for row in rows for task in row["tasks"]]
         assert len(tasks) == 10 and len(set(tasks)) == 10  # every batch of the one epoch-ordered stream, once each
+        # the verl rows of updates trained again were rewritten, not added to: one file per update, of its tasks
+        assert sorted(p.name for p in (killed / "verl_rows").iterdir()) == [f"update-{s:06d}.jsonl" for s in range(1, 6)]
+        assert sum(len(read_verl_rows(killed, row)) for row in rows) == 5 * 2 * 4
 
         whole = subprocess.run([*command, f"--run-dir=runs/{name}-whole"], env=env, cwd=ROOT, capture_output=True,
                                text=True, timeout=900)

@@ -1,12 +1,10 @@
 """The spec's code blocks run as written, after the TinyStories stand-in prelude."""
 
-import sys
-
 import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, import_from
 
 SPEC = ROOT.parent / "shared" / "spec" / "post-training.txt"
 BLOCKS = ROOT / "examples" / "spec"
@@ -32,12 +30,7 @@ def test_blocks_are_the_spec_verbatim():
 
 @pytest.fixture(scope="module")
 def prelude():
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import tinystories
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    return tinystories
+    return import_from("examples", "tinystories")
 
 
 @pytest.mark.slow

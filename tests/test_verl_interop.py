@@ -8,11 +8,11 @@ layout); this file never imports torch or verl.
 import copy
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import import_from
 
 from dew.data import Prompts
 from dew.data.dataset import Partition
@@ -270,12 +270,7 @@ def test_bad_dew_entries_and_groupings_are_refused():
 
 @pytest.fixture(scope="module")
 def qwen3():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        from qwen3_vocab import qwen3_tokenizer
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    return qwen3_tokenizer()
+    return import_from("tools", "qwen3_vocab").qwen3_tokenizer()
 
 
 def test_prompts_reads_verls_gsm8k_tool_agent_parquet(qwen3):

@@ -25,7 +25,9 @@ class SchedulerRecord:
     "cancelled", "unscored_truncation", "stale", "stale_running", "timeout");
     cancellations: futures cancelled (timeouts, staleness, oversample extras, admit,
     abandonment); waited: seconds spent waiting on rollouts; pushed: whether this call
-    pushed weights; metrics: ``session_metrics`` over the admitted rollouts and their batch.
+    pushed weights; metrics: ``session_metrics`` over the admitted rollouts and their batch;
+    sessions: the admitted rollouts themselves, in the order they were packed (to keep
+    them, as ``dew.objectives.rl.verl.to_verl`` rows say).
     """
 
     version: int
@@ -39,6 +41,7 @@ class SchedulerRecord:
     waited: float
     pushed: bool
     metrics: dict[str, float]
+    sessions: list[Session] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -289,7 +289,7 @@ class RolloutScheduler:
             version=version, oldest_version=oldest, lag=None if oldest is None else version - oldest,
             admitted_groups=got.groups, resubmissions=dict(got.causes), cancellations=got.cancellations,
             abandoned_groups=got.abandoned, cut_groups=got.cut, waited=got.waited, pushed=pushed,
-            metrics=got.metrics,
+            metrics=got.metrics, sessions=list(got.sessions),
         )
         if self.log is not None:
             self.log(record)

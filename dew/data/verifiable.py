@@ -203,12 +203,20 @@ def task_rows(tasks: Sequence[VerifiableTask]) -> list[dict[str, Any]]:
 # ----- tokenizer --------------------------------------------------------------------------------
 
 
+CHAT_TEMPLATE = (  # every character is in ALPHABET: a rendered conversation has no unknown ids of its own
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
 def task_tokenizer():
     """A character-level ``PreTrainedTokenizerFast`` over :data:`ALPHABET`.
 
     Id 0 is ``<|endoftext|>`` (end of sequence, beginning of sequence and padding), id
     1 is ``<|unk|>`` for any character outside the alphabet, and ids 2.. are the
     characters in ``ALPHABET`` order (98 ids in all). Decoding concatenates characters.
+    Its chat template (:data:`CHAT_TEMPLATE`) writes each message as ``role: content``
+    on its own line, so prompts given as messages (verl's parquet layout) render too.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -217,10 +225,12 @@ def task_tokenizer():
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
     tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
         unk_token=UNK_TOKEN,
     )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
 
 
 # ----- warm start -------------------------------------------------------------------------------

@@ -25,9 +25,11 @@ What runs where:
 
 Prompts are the built-in verifiable tasks (:mod:`dew.data.verifiable`), or verl-style
 rows from ``prompts`` (a Parquet or JSONL file with ``data_source``, ``prompt``,
-``reward_model.ground_truth``, ``extra_info``), encoded with the built-in character
-tokenizer for the built-in decoder: rows of the code data source run in the sandbox,
-every other row is scored by MathReward against its ground truth.
+``reward_model.ground_truth``, ``extra_info``, such as the parquet verl's
+``gsm8k_tool_agent_loop.py`` writes), encoded with the built-in character tokenizer for
+the built-in decoder (a prompt of chat messages through its template): rows of the code
+data source run in the sandbox, every other row is scored by MathReward against its
+ground truth.
 
 The run directory is resolved once, before any actor starts: a relative one against the
 driver's working directory (on a local cluster, or one it attached to), and a submitted job
@@ -41,7 +43,9 @@ bubblewrap runs it), the cluster has the CPUs the roles reserve, and the configu
 The run directory holds ``config.json``, ``warm_start.msgpack`` (the warm-started
 weights), ``grpo/`` (the trainers' checkpoints, every ``checkpoint_every`` updates),
 ``metrics.jsonl`` (one line per update: trainer and scheduler metrics, the tasks
-trained, wait and wall seconds), ``policy/`` (the final policy as Hugging Face
+trained, wait and wall seconds), with ``verl_rows=true`` ``verl_rows/update-<step>.jsonl``
+(that update's admitted rollouts as verl AgentLoopOutput rows, which
+``dew.objectives.rl.verl.from_verl`` reads back), ``policy/`` (the final policy as Hugging Face
 safetensors with its tokenizer), ``rlvr.png`` (reward and throughput) and
 ``summary.json``. Running again on the same directory resumes: the warm start is read
 back, the trainers restore their newest checkpoint (data position included; the
@@ -96,12 +100,15 @@ from dew_ray.pipelines.rlvr_job import (
     engine_policy,
     engine_rollouts,
     pipeline_reward,
+    prompt_length,
     prompt_rows,
     trainer_job,
     warm_start_task,
 )
 from dew_ray.pipelines.rlvr_report import plot, print_summary
 from dew_ray.placement import RolePlacement
+
+VERL_ROWS = "verl_rows"  # the run directory's folder of verl AgentLoopOutput rows (config verl_rows)
 
 __all__ = ["PreflightError", "RLVRPipeline", "RLVRPipelineConfig", "load_config", "main", "resolve_run_dir", "run"]
 
@@ -237,8 +244,8 @@ class RLVRPipeline:
         self.tokenizer = tokenizer = task_tokenizer()
         train, self.held_out = built_in_tasks(config)
         rows = prompt_rows(config, train)
-        prompt_len = max(len(tokenizer.encode(str(r["prompt"]), add_special_tokens=False)) for r in rows)
-        prompt_len = max(prompt_len, *(len(tokenizer.encode(t.prompt, add_special_tokens=False)) for t in self.held_out))
+        prompt_len = max(prompt_length(rows, tokenizer),
+                         *(len(tokenizer.encode(t.prompt, add_special_tokens=False)) for t in self.held_out))
         width = prompt_len + config.max_new_tokens
         answer = max(len(tokenizer.encode(t.answer, add_special_tokens=False)) + 1 for t in train)
         if config.max_new_tokens < answer:
@@ -314,11 +321,24 @@ class RLVRPipeline:
         return params
 
     def _read_rows(self, step: int) -> None:
-        """Keep the metrics rows of batches the restored checkpoint trained; later ones will be trained again."""
+        """Keep the metrics rows (and verl rows) of batches the restored checkpoint trained; later ones will be
+        trained again."""
         path = self.run_dir / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         self.rows = [row for row in rows if row["step"] <= step]
         path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        for written in (self.run_dir / VERL_ROWS).glob("update-*.jsonl"):
+            if int(written.stem.split("-")[1]) > step:
+                written.unlink()
+
+    def _write_verl_rows(self, step: int, rows: list[dict]) -> None:
+        """One update's admitted rollouts, every process's, as verl rows in verl_rows/update-<step>.jsonl."""
+        directory = self.run_dir / VERL_ROWS
+        directory.mkdir(exist_ok=True)
+        path = directory / f"update-{step:06d}.jsonl"
+        partial = path.with_suffix(".partial")
+        partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        os.replace(partial, path)  # a retrained update rewrites its file whole
 
     def step(self, count: int = 1) -> list[dict]:
         """Train ``count`` updates on every trainer process; returns their metrics rows."""
@@ -331,6 +351,7 @@ class RLVRPipeline:
             results = step_group(self.trainers, 1)
             now = time.perf_counter()
             reports = [process_metrics.pop("report", {}) for (process_metrics,) in results]
+            verl_rows = [row for theirs in reports for row in theirs.pop("verl_rows", [])]
             (metrics,) = results[0]
             scheduler = reports[0].get("scheduler", {})  # process 0's record; each process keeps its own
             tasks, verdicts = [], {}
@@ -350,6 +371,8 @@ class RLVRPipeline:
             # its row, where the other order would leave a trained update without one.
             with open(self.run_dir / "metrics.jsonl", "a") as file:
                 file.write(json.dumps(row) + "\n")
+            if self.config.verl_rows:
+                self._write_verl_rows(self.step_count, verl_rows)
             if self.step_count % self.config.checkpoint_every == 0 or self.step_count == self.config.steps:
                 ray.get([trainer.save.remote() for trainer in self.trainers])
             self.rows.append(row)

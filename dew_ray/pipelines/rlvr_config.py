@@ -36,6 +36,9 @@ class RLVRPipelineConfig(RLVRConfig):
     engines launch with the NCCL weight-transfer backend); nccl_library: the engines'
     ``libnccl.so.2`` on the trainer's node (default: the engine environment's
     ``nvidia/nccl/lib/libnccl.so.2``); trainer_gpus: GPUs in each trainer's bundle.
+    verl_rows: also write every update's admitted rollouts, all processes', as verl
+    AgentLoopOutput rows (``dew.objectives.rl.verl.to_verl``, one JSON row per line) in
+    ``<run_dir>/verl_rows/update-<step>.jsonl``, beside ``metrics.jsonl``.
     """
 
     run_dir: str = "runs/rlvr"
@@ -53,6 +56,7 @@ class RLVRPipelineConfig(RLVRConfig):
     engine_push: Literal["reload", "nccl"] = "reload"
     nccl_library: str | None = None
     trainer_gpus: float = Field(0.0, ge=0)
+    verl_rows: bool = False
 
     @model_validator(mode="after")
     def _roles(self):

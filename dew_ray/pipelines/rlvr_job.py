@@ -7,7 +7,10 @@ the one-process example trains (:func:`dew.recipes.rlvr.grpo_job`), here over a
 an EnginePool over the vLLM engines, :func:`engine_rollouts`), scored by the built-in
 rewards with code on the sandbox-runner actors (:class:`~dew_ray.actors.RemoteFleet`).
 Prompts are the built-in verifiable tasks, or verl-style rows from ``prompts`` (rows of
-the code data source run in the sandbox; every other data source is scored as math).
+the code data source run in the sandbox; every other data source is scored as math; a
+prompt may be text or chat messages, rendered by the character tokenizer's template).
+With ``verl_rows`` each process's report carries its admitted rollouts as verl
+AgentLoopOutput rows (:func:`dew.objectives.rl.verl.to_verl`).
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from pathlib import Path
 import jax
 import pyarrow.parquet as pq
 
-from dew.data import Loading
+from dew.data import Loading, Prompts
 from dew.inference.engines import engine_dir
 from dew.data.verifiable import MATH_SOURCE, task_rows, task_tokenizer
 from dew.recipes.rewards import RoutedReward, verifiable_reward
 from dew.recipes.rlvr import decoder, grpo_job, warm_start
 from dew.models.pretrained import Pretrained
+from dew.objectives.rl.verl import to_verl
 from dew.sampling import Sampling
 from dew_ray.actors import RemoteFleet, RemoteRolloutServer, ServerPool, TrainJob, vllm_rollouts
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
@@ -65,6 +69,12 @@ def engine_rollouts(setup: Setup, model, version: int, push: str = "reload"):
     return vllm_rollouts(Pretrained.from_model(model), engine_policy(setup.run_dir), setup.engines, sampling,
                          name=ENGINE_MODEL, version=version, served_dtype=config.engine_dtype,
                          nccl_library=library if push == "nccl" else None)
+
+
+def prompt_length(rows: list[dict], tokenizer) -> int:
+    """The longest prompt of ``rows`` in ids, as Prompts encodes them (token ids, text or chat messages)."""
+    prompts = Prompts(records=rows, tokenizer=tokenizer, max_prompt_len=1)
+    return max(len(prompts.prompt_ids(record)) for record in prompts.records)
 
 
 def prompt_rows(config: RLVRPipelineConfig, train) -> list[dict]:
@@ -130,6 +140,8 @@ def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
         out = {"verdicts": fleet.drain(), "tasks": job.tasks[-1] if job.tasks else []}
         if job.records:
             record = job.records[-1]
+            if config.verl_rows:  # this process's admitted rollouts, for the driver to write beside metrics.jsonl
+                out["verl_rows"] = to_verl(record.sessions)
             out["scheduler"] = {
                 "version": record.version, "oldest_version": record.oldest_version, "lag": record.lag,
                 "admitted_groups": record.admitted_groups, "resubmissions": record.resubmissions,

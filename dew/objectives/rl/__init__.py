@@ -5,7 +5,8 @@ spec imports from this package that belong to other layers are re-exported from 
 homes: the episode protocol and records from :mod:`dew.records`, the collectors
 (SampledRollout, the sources, RolloutScheduler and its task converters) from
 :mod:`dew.collection`. ``dew.objectives.rl.sessions`` is the spec's module path for the
-records.
+records, ``dew.objectives.rl.verl`` for their verl rows and ``dew.objectives.rl.harbor``
+for HarborSource.
 """
 
 from dew.collection.rollout import SampledRollout
