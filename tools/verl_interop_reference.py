@@ -210,8 +210,10 @@ class Gsm8kTool(BaseTool):
         super().__init__({}, schema)
         self._instance_dict = {}
 
-    async def create(self, instance_id=None, ground_truth=None, **kwargs):
+    async def create(self, instance_id=None, create_kwargs=None, **kwargs):
+        # 0.9.1's ToolAgentLoop passes the row's tools_kwargs[name]["create_kwargs"] as create_kwargs=...
         instance_id = instance_id or f"gsm8k-{len(self._instance_dict)}"
+        ground_truth = (create_kwargs or {}).get("ground_truth")
         self._instance_dict[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
         return instance_id, ToolResponse()
 
