@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import import_from
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dew.data import Prompts
 from dew.data.dataset import Partition
@@ -292,3 +294,83 @@ def test_prompts_reads_verls_gsm8k_tool_agent_parquet(qwen3):
         expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
         length = int(batch["prompt_length"][row])
         assert batch["prompt"][row, 512 - length:].tolist() == list(expected)
+
+
+# ----- any session structure round-trips (hypothesis) --------------------------------------------
+
+IDS = st.integers(0, 40)
+LOG_PROB = st.floats(-20.0, 0.0, allow_nan=False, width=32)
+
+
+@st.composite
+def sessions_of_any_shape(draw):
+    """1-5 calls, each extending the chain (with in-between ids) or starting a new one, possibly sampling nothing;
+    optional raw log-probs, supports and router records (consistent over a prefix or not); any status."""
+    calls, chain = [], []
+    table = np.asarray(draw(st.lists(st.integers(0, 7), min_size=4 * 40, max_size=4 * 40)), np.int16).reshape(40, 2, 2)
+    version = draw(st.integers(0, 5))
+    for _ in range(draw(st.integers(1, 5))):
+        if chain and draw(st.booleans()):
+            prompt = chain + draw(st.lists(IDS, max_size=3))
+        else:
+            prompt = draw(st.lists(IDS, min_size=1, max_size=4))
+        sampled = draw(st.lists(IDS, max_size=4))
+        extra = {}
+        if draw(st.booleans()):
+            extra["old_log_probs"] = draw(st.lists(st.floats(-20.0, 0.0, width=32), min_size=len(sampled),
+                                                   max_size=len(sampled)))
+        if draw(st.booleans()):
+            extra["support"] = [draw(st.lists(st.integers(-1, 40), max_size=3)) for _ in sampled]
+        routing = draw(st.sampled_from(["none", "shared", "own"]))
+        covered = draw(st.integers(0, len(prompt) + len(sampled)))
+        if routing == "shared":
+            extra["routed_experts"] = table[:covered]
+        elif routing == "own":
+            extra["routed_experts"] = np.asarray(draw(st.lists(st.integers(0, 7), min_size=4 * covered,
+                                                               max_size=4 * covered)), np.int32).reshape(covered, 2, 2)
+        version += draw(st.integers(0, 1))
+        calls.append(Call(prompt_ids=prompt, sampled_ids=sampled,
+                          behavior_log_probs=draw(st.lists(LOG_PROB, min_size=len(sampled), max_size=len(sampled))),
+                          finish_reason=draw(st.sampled_from(["stop", "length", "cancelled", "tool_calls"])),
+                          version=version, **extra))
+        chain = prompt + sampled
+    status = draw(st.sampled_from(list(Status)))
+    unscored = status in (Status.TRUNCATED, Status.INFRA_ERROR, Status.CANCELLED)
+    reward = draw(st.none() | st.floats(-5, 5)) if unscored else draw(st.floats(-5, 5))
+    return Session(task=Task(draw(st.text(max_size=6)), {"task_id": draw(st.integers(0, 99))}),
+                   group=draw(st.integers(0, 3)), sample=draw(st.integers(0, 3)), attempt=draw(st.integers(0, 2)),
+                   calls=calls, status=status, reward=reward,
+                   components=draw(st.dictionaries(st.sampled_from(["a", "b"]), st.floats(-1, 1))),
+                   detail=draw(st.text(max_size=8)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(sessions_of_any_shape(), min_size=1, max_size=3, unique_by=lambda s: (s.task.id, s.group, s.sample,
+                                                                                       s.attempt)))
+def test_any_session_round_trips_exactly_and_each_sampled_id_is_written_once(sessions):
+    rows = to_verl(sessions)
+    for row in rows:  # every sampled id once, with its own likelihood; observation ids carry none
+        calls = row["extra_fields"]["dew"]["calls"]
+        ids = row["prompt_ids"] + row["response_ids"]
+        sampled = sum(entry["sampled"] for entry in calls)
+        assert sum(row["response_mask"]) == sampled and len(row["response_logprobs"]) == len(row["response_ids"])
+        offset = len(row["prompt_ids"])
+        for entry in calls:
+            call = _owner(sessions, row).calls[entry["index"]]
+            span = slice(entry["start"] - offset, entry["start"] - offset + entry["sampled"])
+            assert ids[entry["start"]:entry["start"] + entry["sampled"]] == list(call.sampled_ids)
+            assert row["response_logprobs"][span] == [float(x) for x in call.behavior_log_probs]
+        assert all(lp == 0.0 for lp, m in zip(row["response_logprobs"], row["response_mask"]) if not m)
+    restored = from_verl(json.loads(json.dumps(rows)))
+    assert len(restored) == len(sessions)
+    for trajectory, original in zip(restored, sessions, strict=True):
+        assert_same_session(trajectory.session, original)
+    assert to_verl(restored) == json.loads(json.dumps(rows))
+
+
+def _owner(sessions, row) -> Session:
+    """The session a dew-written row belongs to."""
+    dew = row["extra_fields"]["dew"]
+    (owner,) = [s for s in sessions if (s.task.id, s.group, s.sample, s.attempt) ==
+                (dew["task"]["id"], dew["group"], dew["sample"], dew["attempt"])]
+    return owner

@@ -150,12 +150,13 @@ def _session_rows(session: Session) -> list[dict[str, Any]]:
 
 def _row_routing(members, calls: list[Call], described: list[dict]) -> np.ndarray | None:
     """The row's router record (each call's over the ids it read and drew, the latest winning, as pack places them)
-    when every call recorded one; a call's own record goes in dew's entry where the row's does not reproduce it."""
+    when every call recorded one and some cover an id; a call's own record goes in dew's entry where the row's does
+    not reproduce it."""
     records = [None if call.routed_experts is None else np.asarray(call.routed_experts) for call in calls]
     if all(record is None for record in records):
         return None
     merged = None
-    if all(record is not None for record in records):
+    if all(record is not None for record in records) and max(len(record) for record in records):
         length = max(len(record) for record in records)
         merged = np.zeros((length, *records[0].shape[1:]), records[0].dtype)
         for record in records:
@@ -167,6 +168,7 @@ def _row_routing(members, calls: list[Call], described: list[dict]) -> np.ndarra
         entry["routed_dtype"] = str(record.dtype)
         if merged is None or merged.dtype != record.dtype or not np.array_equal(merged[: len(record)], record):
             entry["routed_experts"] = record.tolist()
+            entry["routed_shape"] = list(record.shape)  # an empty record's layers and top_k survive JSON
     return merged
 
 
@@ -331,6 +333,8 @@ def _described_calls(where, dew, ids, mask, behavior, routed) -> list[tuple[int,
         record = entry.get("routed_experts")
         if record is not None:
             record = np.asarray(record, entry.get("routed_dtype", ROUTED_DTYPE))
+            if "routed_shape" in entry:
+                record = record.reshape(entry["routed_shape"])
         elif entry.get("routed") is not None:
             if routed is None or int(entry["routed"]) > len(routed):
                 raise ValueError(f"{field}: routed {entry['routed']} needs the row's routed_experts to cover as many ids")
