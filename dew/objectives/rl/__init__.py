@@ -9,16 +9,19 @@ records, ``dew.objectives.rl.verl`` for their verl rows and ``dew.objectives.rl.
 for HarborSource.
 """
 
+from dew.collection.episodes import EpisodeCancelled, EpisodeFailure, EpisodeRollout
 from dew.collection.rollout import SampledRollout
 from dew.collection.scheduler import RolloutScheduler, SchedulerRecord
 from dew.collection.sources import EnvironmentSource, PromptSource
 from dew.collection.tasks import prompt_tasks, task_ids
 from dew.objectives.rl.dpo import DPOObjective
 from dew.objectives.rl.grpo import GRPOObjective
+from dew.records.episode_sessions import ActionRecord, EpisodeRecord, session_of
 from dew.records.episodes import Action, Environment, Episode, EpisodeId, EpisodeStatus, Observation, Transition
 
 __all__ = [
-    "Action", "DPOObjective", "Environment", "EnvironmentSource", "Episode", "EpisodeId", "EpisodeStatus",
-    "GRPOObjective", "Observation", "PromptSource", "RolloutScheduler", "SampledRollout", "SchedulerRecord",
-    "Transition", "prompt_tasks", "task_ids",
+    "Action", "ActionRecord", "DPOObjective", "Environment", "EnvironmentSource", "Episode", "EpisodeCancelled",
+    "EpisodeFailure", "EpisodeId", "EpisodeRecord", "EpisodeRollout", "EpisodeStatus", "GRPOObjective",
+    "Observation", "PromptSource", "RolloutScheduler", "SampledRollout", "SchedulerRecord", "Transition",
+    "prompt_tasks", "session_of", "task_ids",
 ]

@@ -1,0 +1,334 @@
+"""EpisodeRollout: a policy that calls a square tool, receives the result and answers; lifecycle and numbers.
+
+``ToolPolicy``, ``Harness``, ``verify`` and ``SAMPLING`` are the fixtures the spec's PPO
+example imports. The task: task t asks for the square of n = t % 3 + 1 (context
+``[NUM(n)]``); the policy may call the tool (``[SQUARE, EOS]``), which answers with
+``[RESULT, NUM(n * n)]`` appended to the context, then answer ``[NUM(x), EOS]``;
+``verify`` gives 1 for the right square. ToolPolicy is a one-layer causal transformer
+over this 16-id vocabulary (the spec describes a bigram policy; any small decoder that
+TextGeneration drives serves).
+"""
+
+import asyncio
+import concurrent.futures
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew import Trainer, models
+from dew.collection.episodes import EpisodeCancelled, EpisodeFailure
+from dew.data import Dataset
+from dew.inference import TextGeneration
+from dew.objectives.rl import EpisodeRollout, GRPOObjective
+from dew.records.episode_sessions import session_of
+from dew.records.episodes import Environment, EpisodeStatus, Observation
+from dew.sampling import Sampling
+
+PAD, EOS, SQUARE, RESULT = 0, 1, 2, 3
+VOCAB = 16
+SAMPLING = Sampling(eos_id=EOS, temperature=1.0)
+
+
+def NUM(n: int) -> int:
+    return 4 + n
+
+
+def ToolPolicy():
+    return models.build("causal_transformer", vocab_size=VOCAB, emb_features=16, num_layers=1, num_heads=2,
+                        mlp_features=32, max_seq_len=16)
+
+
+class SquareEnvironment(Environment):
+    """One episode of the square task; keeps an audit of what happened to it."""
+
+    def __init__(self, identity, audit: list, fail_on_step=None, step_error=None, observation=None):
+        self.identity, self.audit = identity, audit
+        self.n = identity.task % 3 + 1
+        self.fail_on_step, self.step_error, self.observation = fail_on_step, step_error, observation
+        self.steps = 0
+        self.closed = False
+        self.exit_error = None
+
+    def __exit__(self, *exc_info):
+        self.exit_error = exc_info[1]
+        super().__exit__(*exc_info)
+
+    def reset(self):
+        return Observation((NUM(self.n),))
+
+    def step(self, action):
+        self.steps += 1
+        self.audit.append(("step", self.identity.task, self.identity.sample, action.tokens))
+        if self.fail_on_step == self.steps:
+            raise self.step_error
+        if self.observation is not None:
+            return self.observation
+        said = action.tokens[:-1]
+        if said == (SQUARE,):
+            return Observation(action.context + action.tokens + (RESULT, NUM(self.n * self.n)))
+        return Observation((), EpisodeStatus.COMPLETED, f"answered {said}")
+
+    def close(self):
+        self.closed = True
+        self.audit.append(("close", self.identity.task, self.identity.sample))
+
+
+class Harness:
+    """The environment factory: one SquareEnvironment per EpisodeId, all of them kept for the checks."""
+
+    def __init__(self, **failure):
+        self.failure = failure
+        self.audit: list = []
+        self.opened: list[SquareEnvironment] = []
+
+    def __call__(self, identity):
+        failure = self.failure if identity.sample == 1 and identity.task == 0 else {}
+        env = SquareEnvironment(identity, self.audit, **failure)
+        self.opened.append(env)
+        return env
+
+
+def verify(episode) -> float:
+    """1 when the last action answers the square of the task's number."""
+    n = episode.id.task % 3 + 1
+    last = episode.transitions[-1].action.tokens if episode.transitions else ()
+    return float(last[:-1] == (NUM(n * n),) and episode.status is EpisodeStatus.COMPLETED)
+
+
+class Scripted:
+    """A bindable policy that replies with fixed turns (ids, then EOS) and recognisable likelihoods."""
+
+    def __init__(self, turns, eos=True):
+        self.turns, self.eos, self.calls = turns, eos, []
+
+    def bind(self, variables):
+        return self
+
+    def __call__(self, contexts, budget, key, sampling):
+        self.calls.append([tuple(c) for c in contexts])
+        rows = len(contexts)
+        ids = np.zeros((rows, budget), np.int32)
+        lengths = np.zeros(rows, np.int32)
+        for row, context in enumerate(contexts):
+            n = context[0] - 4
+            reply = self.turns(n, context)
+            reply = list(reply) + ([EOS] if self.eos else [])
+            reply = reply[:budget]
+            ids[row, : len(reply)] = reply
+            lengths[row] = len(reply)
+        positions = np.arange(budget)[None, :] < lengths[:, None]
+        old = np.where(positions, -0.5 - 0.01 * np.arange(budget), 0.0).astype(np.float32)
+        return _Generation(ids, old, (old * 0.5).astype(np.float32), lengths,
+                           np.array([self.eos and n <= budget for n in lengths]))
+
+
+class _Generation:
+    def __init__(self, ids, old, behavior, lengths, eos):
+        self.ids, self.old_log_probs, self.behavior_log_probs, self.lengths, self.eos = ids, old, behavior, lengths, eos
+
+
+def square_then_answer(n, context):
+    return [SQUARE] if context[-2:-1] != (RESULT,) and RESULT not in context else [NUM(n * n)]
+
+
+def rollout(policy, harness=None, **options):
+    settings = {"max_prompt_tokens": 8, "max_new_tokens": 3, "max_turns": 3, "groups": 2, "sampling": SAMPLING}
+    return EpisodeRollout(policy, harness or Harness(), verify, **{**settings, **options})
+
+
+def tasks(*ids):
+    return {"task_id": np.array(ids, np.int32)}
+
+
+def test_an_episode_calls_the_tool_receives_the_square_and_answers():
+    harness = Harness()
+    collector = rollout(Scripted(square_then_answer), harness)
+    records = collector.collect(tasks(1, 2), None, 3, jax.random.key(0))
+    assert [(r.episode.id.task, r.episode.id.sample, r.group) for r in records] == [(1, 0, 0), (1, 1, 0), (2, 0, 1),
+                                                                                    (2, 1, 1)]
+    first = records[0]
+    assert first.reward == 1.0 and first.status is EpisodeStatus.COMPLETED
+    (call, answer) = first.episode.transitions
+    assert call.action.context == (NUM(2),) and call.action.tokens == (SQUARE, EOS) and call.action.policy_step == 3
+    assert call.observation.context == (NUM(2), SQUARE, EOS, RESULT, NUM(4))  # the tool's result extends the context
+    assert answer.action.tokens == (NUM(4), EOS)
+    assert all(env.closed and env.exit_error is None for env in harness.opened)
+    session = session_of(first)
+    assert [c.version for c in session.calls] == [3, 3] and session.task.id == "1"
+    batch = collector.project(records, rows=8)
+    # one chain per episode (the answer's context holds the call and the tool's result): 6 ids, 4 of them sampled
+    row = int(np.nonzero(batch["session_index"] == 0)[0][0])
+    ids = batch["input_ids"][row][batch["text_segment_ids"][row] == 1].tolist()
+    assert ids == [NUM(2), SQUARE, EOS, RESULT, NUM(4), NUM(4), EOS]
+    mask = batch["response_mask"][row][batch["text_segment_ids"][row] == 1].tolist()
+    assert mask == [0, 1, 1, 0, 0, 1, 1]  # the tool's ids carry no loss mass
+    old = batch["old_log_probs"][row][batch["text_segment_ids"][row] == 1]
+    np.testing.assert_allclose(old[[1, 2, 5, 6]], [-0.5, -0.51, -0.5, -0.51], rtol=1e-6)
+    np.testing.assert_allclose(batch["behavior_log_probs"][row][batch["text_segment_ids"][row] == 1][[1, 2]],
+                               [-0.25, -0.255], rtol=1e-6)
+
+
+def test_every_round_samples_every_slot_at_its_row_with_inert_prompts_for_finished_ones():
+    def answer_at_once_for_task_1(n, context):
+        return [NUM(n * n)] if n == 2 else square_then_answer(n, context)
+
+    policy = Scripted(answer_at_once_for_task_1)
+    rollout(policy).collect(tasks(1, 2), None, 0, jax.random.key(0))
+    assert [len(contexts) for contexts in policy.calls] == [4, 4]  # task 1's episodes ended after one turn
+    assert policy.calls[1][:2] == [(0,), (0,)] and policy.calls[1][2][-2:] == (RESULT, NUM(9))
+
+
+def test_limits_truncate_without_reaching_the_tool():
+    harness = Harness()
+    records = rollout(Scripted(lambda n, c: [SQUARE, SQUARE, SQUARE], eos=False), harness).collect(
+        tasks(0), None, 0, jax.random.key(0))
+    assert all(r.status is EpisodeStatus.TRUNCATED and len(r.actions) == 1 for r in records)
+    assert not [entry for entry in harness.audit if entry[0] == "step"]  # a budget-hit response never reaches a tool
+    # a context over max_prompt_tokens truncates before the call, keeping what was recorded
+    long = rollout(Scripted(square_then_answer), max_prompt_tokens=4).collect(tasks(0), None, 0, jax.random.key(0))
+    assert all(r.status is EpisodeStatus.TRUNCATED and len(r.actions) == 1 and "max_prompt_tokens=4" in r.detail
+               for r in long)
+    turns = rollout(Scripted(lambda n, c: [SQUARE]), max_turns=2, max_prompt_tokens=16).collect(
+        tasks(0), None, 0, jax.random.key(0))
+    assert all(len(r.actions) == 2 and "max_turns=2" in r.detail for r in turns)
+    assert rollout(Scripted(lambda n, c: [SQUARE]), max_turns=2, max_prompt_tokens=16).project(turns, rows=4) is None
+
+
+@pytest.mark.parametrize("error, kind", [(RuntimeError("tool crashed"), EpisodeFailure),
+                                         (asyncio.CancelledError(), EpisodeCancelled),
+                                         (concurrent.futures.CancelledError(), EpisodeCancelled)])
+def test_a_failing_or_cancelled_step_aborts_the_group_and_releases_every_environment(error, kind):
+    harness = Harness(fail_on_step=1, step_error=error)
+    seen = []
+    with pytest.raises(kind) as caught:
+        rollout(Scripted(square_then_answer), harness, record=seen.append).collect(tasks(0, 1), None, 0,
+                                                                                  jax.random.key(0))
+    assert caught.value.__cause__ is error
+    assert caught.value.episode.episode.id.sample == 1 and caught.value.episode.episode.id.task == 0
+    assert all(env.closed for env in harness.opened) and len(harness.opened) == 4
+    assert all(env.exit_error is error for env in harness.opened)  # each environment exits under the original
+    assert len(seen) == 4 and kind.status in (EpisodeStatus.ERROR, EpisodeStatus.CANCELLED)
+
+
+def test_terminal_failures_reported_by_the_environment_abort_the_group():
+    cancelled = Harness(fail_on_step=None, observation=Observation((), EpisodeStatus.CANCELLED, "stopped"))
+    with pytest.raises(EpisodeCancelled, match="ended cancelled: stopped") as caught:
+        rollout(Scripted(square_then_answer), cancelled).collect(tasks(0), None, 0, jax.random.key(0))
+    assert caught.value.__cause__ is None  # a cancellation the environment reports has no source exception
+    errored = Harness(observation=Observation((), EpisodeStatus.ERROR, "tool timed out"))
+    with pytest.raises(EpisodeFailure, match="ended error: tool timed out"):
+        rollout(Scripted(square_then_answer), errored).collect(tasks(0), None, 0, jax.random.key(0))
+    assert all(env.closed for env in errored.opened)
+
+
+def test_a_non_finite_verifier_result_fails_and_a_failed_release_throws_the_episode_out():
+    with pytest.raises(EpisodeFailure, match="the verifier returned nan"):
+        EpisodeRollout(Scripted(square_then_answer), Harness(), lambda episode: float("nan"), max_prompt_tokens=8,
+                       max_new_tokens=3, max_turns=3, groups=2, sampling=SAMPLING).collect(
+            tasks(0), None, 0, jax.random.key(0))
+
+    class Leaky(Harness):
+        def __call__(self, identity):
+            env = super().__call__(identity)
+            if identity.sample == 0:
+                def close():
+                    raise OSError("cannot remove the workspace")
+                env.close = close
+            return env
+
+    records = rollout(Scripted(square_then_answer), Leaky()).collect(tasks(0, 1), None, 0, jax.random.key(0))
+    assert [r.episode.id.sample for r in records] == [1, 1]  # the episodes whose release failed are gone
+
+
+def test_bad_options_and_records_from_two_bindings_are_refused():
+    with pytest.raises(TypeError, match="policy must be bindable"):
+        rollout(object())
+    with pytest.raises(ValueError, match="groups must be an integer >= 2"):
+        rollout(Scripted(square_then_answer), groups=1)
+    with pytest.raises(KeyError, match="needs integer 'task_id' rows"):
+        rollout(Scripted(square_then_answer)).collect({"prompt": np.zeros((1, 2))}, None, 0, jax.random.key(0))
+    collector = rollout(Scripted(square_then_answer))
+    first = collector.collect(tasks(0), None, 0, jax.random.key(0))
+    second = collector.collect(tasks(0), None, 0, jax.random.key(0))  # same clocks, a separate binding
+    with pytest.raises(ValueError, match="come from 2 separate collection bindings"):
+        collector.project(first + second, rows=8)
+
+
+def trainer(output_dir=None, steps_between=None):
+    model = ToolPolicy()
+    objective = GRPOObjective(model, seq_len=10)
+    episodes = rollout(TextGeneration(model), groups=4)
+    return Trainer(objective, optax.adam(3e-2), key=jax.random.key(5), rollout=episodes, progress=False,
+                   output_dir=output_dir, checkpoint_every=steps_between)
+
+
+def task_stream():
+    return Dataset(train=lambda partition: itertools.repeat(tasks(0, 1, 2)), val=None, records=None, batch=3)
+
+
+def test_grpo_trains_through_episodes_and_a_checkpoint_restore_changes_nothing(tmp_path):
+    reference = trainer().fit(task_stream(), steps=4, log_every=4)
+    trainer(tmp_path, steps_between=2).fit(task_stream(), steps=2, log_every=2)
+    resumed = trainer(tmp_path, steps_between=2).fit(task_stream(), steps=4, log_every=4)
+    assert int(resumed.updates) == int(reference.updates) == 4
+    for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    start = jax.jit(ToolPolicy().init)(jax.random.key(5), jnp.zeros((1, 4), jnp.int32))
+    moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(reference.params), jax.tree.leaves(start)))
+    assert moved > 0
+
+
+def test_the_raw_and_behaviour_likelihoods_are_the_generations_own():
+    model = ToolPolicy()
+    variables = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 4), jnp.int32))
+    sampling = Sampling(eos_id=EOS, temperature=1.0, top_k=4)  # behaviour (top-k) differs from raw
+    generated = []
+
+    class Recording(TextGeneration):
+        def bind(self, variables):
+            bound = super().bind(variables)
+            original = bound.__call__
+
+            class Bound:
+                def __call__(self, *args):
+                    out = original(*args)
+                    generated.append(jax.device_get(out))
+                    return out
+            return Bound()
+
+    collector = rollout(Recording(model), sampling=sampling, max_turns=1)
+    records = collector.collect(tasks(0, 1), variables, 0, jax.random.key(2))
+    (generation,) = generated
+    for record in records:
+        (kept,) = record.actions
+        row = record.episode.id.sample + 2 * record.group
+        count = int(generation.lengths[row])
+        assert kept.old_log_probs == tuple(generation.old_log_probs[row, :count].tolist())
+        assert kept.behavior_log_probs == tuple(generation.behavior_log_probs[row, :count].tolist())
+    assert any(k.old_log_probs != k.behavior_log_probs for r in records for k in r.actions)
+
+
+def test_loss_gradients_reach_sampled_actions_only():
+    collector = rollout(Scripted(square_then_answer))
+    records = collector.collect(tasks(0, 1), None, 0, jax.random.key(0))
+    records[1].reward = 0.0  # two rewards in task 0's group: non-zero advantages
+    batch = {k: jnp.asarray(v) for k, v in collector.project(records, rows=8).items()}
+    model = ToolPolicy()
+    objective = GRPOObjective(model, seq_len=10)
+    variables = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 4), jnp.int32))
+    scores = objective.packed_log_probs(variables, batch)
+    batch["old_log_probs"] = batch["behavior_log_probs"] = scores  # on policy: no token is clipped
+
+    def loss_of(given):
+        objective.packed_log_probs = lambda params, rows: given  # the loss sees the scores as a free input
+        return objective.loss(variables, variables, batch, jax.random.key(0))[0]
+
+    gradient = np.asarray(jax.grad(loss_of)(scores))
+    sampled = np.asarray(batch["response_mask"]) != 0
+    assert not gradient[~sampled].any()  # prompts and the tool's ids get none
+    trained = sampled & (np.asarray(batch["advantages"]) != 0)
+    assert trained.sum() == 8 and (gradient[trained] != 0).all()
