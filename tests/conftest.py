@@ -56,6 +56,34 @@ def two_processes(worker: str, arguments, timeout: float = 240) -> None:
     assert all(worker.returncode == 0 for worker in workers), "\n----\n".join(logs)
 
 
+def launch_workers(worker: str, scenario: str, tmp_path, env: dict | None = None, processes=(0, 1)) -> list:
+    """Start ``worker SCENARIO PROCESS PORT OUT`` for each process of one CPU job; returns [(process, Popen, OUT)]."""
+    port = free_port()
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **(env or {})}
+    started = []
+    for process in processes:
+        out = tmp_path / f"{scenario}-{process}.json"
+        popen = subprocess.Popen([sys.executable, worker, scenario, str(process), str(port), str(out)],
+                                 env=full_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started.append((process, popen, out))
+    return started
+
+
+def finish_workers(started: list, timeout: float) -> list:
+    """Wait for every process (killing all of them past ``timeout``); returns [(returncode, output, OUT)]."""
+    results = []
+    try:
+        for _, popen, out in started:
+            output = popen.communicate(timeout=timeout)[0]
+            results.append((popen.returncode, output, out))
+    except subprocess.TimeoutExpired:
+        for _, popen, _ in started:
+            popen.kill()
+        outputs = [popen.communicate()[0] for _, popen, _ in started]
+        pytest.fail(f"a worker ran past {timeout} s (a hang):\n" + "\n----\n".join(outputs))
+    return results
+
+
 def run_python(code: str, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (own XLA flags, own JAX backend) and fail on a non-zero exit."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}

@@ -5,45 +5,22 @@ Each scenario runs tests/workers/scheduler_worker.py (see its docstring) as two 
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import ROOT, finish_workers, launch_workers
 
 WORKER = str(ROOT / "tests" / "workers" / "scheduler_worker.py")
 TIMEOUT = 300  # seconds; generous, the machine may be shared, and a hang must still end the test
 
 
 def launch(scenario, tmp_path, env=None, processes=(0, 1)):
-    """Start the worker's processes; returns [(process, Popen, output JSON path)]."""
-    port = free_port()
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **(env or {})}
-    started = []
-    for process in processes:
-        out = tmp_path / f"{scenario}-{process}.json"
-        worker = subprocess.Popen([sys.executable, WORKER, scenario, str(process), str(port), str(out)],
-                                  env=full_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        started.append((process, worker, out))
-    return started
+    return launch_workers(WORKER, scenario, tmp_path, env, processes)
 
 
 def finish(started):
-    """Wait for every process (killing all of them past TIMEOUT); returns [(returncode, output, JSON path)]."""
-    results = []
-    try:
-        for _, worker, out in started:
-            output = worker.communicate(timeout=TIMEOUT)[0]
-            results.append((worker.returncode, output, out))
-    except subprocess.TimeoutExpired:
-        for _, worker, _ in started:
-            worker.kill()
-        outputs = [worker.communicate()[0] for _, worker, _ in started]
-        pytest.fail(f"a worker ran past {TIMEOUT} s (a hang):\n" + "\n----\n".join(outputs))
-    return results
+    return finish_workers(started, TIMEOUT)
 
 
 @pytest.mark.slow

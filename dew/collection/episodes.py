@@ -34,8 +34,16 @@ stay out of the baseline; rows are ``max_prompt_tokens + max_new_tokens`` ids wi
 (``GRPOObjective(seq_len=width - 1)``) and ``B * G * max_turns`` deep, which always fits.
 Raw likelihoods land in ``old_log_probs``, behaviour ones in ``behavior_log_probs``.
 
-Absent so far: the multi-process cohort (ranks agreeing on budgets, clocks and failures)
-is refused on more than one JAX process, and there is no EpisodeJournal yet.
+On several JAX processes every rank collects its own task rows and the ranks meet (a
+collective exchange) before opening any environment, to agree on the row count, budgets,
+sampling, clocks and key, and after every phase (opening, each round, verification), so a
+failure on one rank raises on all of them before the next generation and every rank
+releases what it opened. Sampling is local: the policy binds a host copy of the variables,
+and each local device's block of slots is one call whose key is folded with the block's
+global index, so one process holding two devices draws, packs and trains exactly what two
+processes of one device each do.
+
+Absent so far: the EpisodeJournal (crash-safe resume of in-flight episodes).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from dew.records.episode_sessions import ActionRecord, EpisodeRecord, session_of
 from dew.records.episodes import Action, Environment, Episode, EpisodeId, EpisodeStatus, Observation, Transition
 from dew.records.packing import pack
 from dew.sampling import Sampling
+from dew.sharding import collective_host, describe_error, exchange, raise_failures
 from dew.validation import integer, one_of, positive_int
 
 CANCELLATIONS = (asyncio.CancelledError, concurrent.futures.CancelledError)
@@ -82,9 +91,21 @@ class EpisodeCancelled(EpisodeFailure):
     status = EpisodeStatus.CANCELLED
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Binding:
+    """One collection's binding of the policy (compared by identity) and the layout its records pack into:
+    this process's first global task row, the task rows of each local device's block and those blocks' global
+    indices."""
+
+    version: int
+    first_group: int
+    tasks_per_block: int
+    blocks: tuple[int, ...]
+
+
 @dataclasses.dataclass
 class _Slot:
-    row: int
+    row: int  # the slot's position in this process's rows (task row * groups + sample)
     identity: EpisodeId
     manager: object = None  # what the factory returned (its __exit__ releases)
     env: Environment | None = None
@@ -142,45 +163,60 @@ class EpisodeRollout:
         self.width = self.max_prompt_tokens + self.max_new_tokens
         self.metrics: dict[str, float] = {}
 
+    @property
+    def options(self) -> dict:
+        """What every rank's rollout must share."""
+        return {"max_prompt_tokens": self.max_prompt_tokens, "max_new_tokens": self.max_new_tokens,
+                "max_turns": self.max_turns, "groups": self.groups, "sampling": repr(self.sampling),
+                "estimator": self.estimator}
+
     # ----- the Trainer's hook --------------------------------------------------------------------
 
     def __call__(self, batch, variables, version: int, key: jax.Array) -> dict[str, np.ndarray] | None:
-        if jax.process_count() > 1:
-            raise NotImplementedError("EpisodeRollout on several JAX processes (the agreeing cohort) is not built yet; "
-                                      "collect on one process")
-        records = self.collect(batch, variables, version, key)
-        return self.project(records, rows=len(records) * self.max_turns)
+        records, binding = self._collect(batch, variables, version, key)
+        return self._project(records, binding)
 
     def collect(self, batch, variables, version: int, key: jax.Array) -> list[EpisodeRecord]:
-        """Run every episode of the batch (one binding of ``variables``); the records in (task row, sample) order,
-        thrown-out episodes left out."""
+        """Run every episode of this process's task rows under one binding of ``variables``; the records in
+        (task row, sample) order, thrown-out episodes left out."""
+        return self._collect(batch, variables, version, key)[0]
+
+    def project(self, records: list[EpisodeRecord]) -> dict[str, np.ndarray] | None:
+        """The packed GRPO batch of one collection's records (this process's rows); None when no rank has a
+        trainable episode. Records of separately bound collections are refused."""
+        if not records:
+            raise ValueError("project needs the records of a collection; there are none")
+        return self._project(records, records[0].origin)
+
+    def _collect(self, batch, variables, version: int, key: jax.Array) -> tuple[list[EpisodeRecord], Binding]:
         tasks = _task_ids(batch)
         version = integer("version", version, at_least=0)
-        policy = self.policy.bind(variables)
-        origin = object()  # this binding's identity: project refuses records of another
-        seeds = np.asarray(jax.random.randint(jax.random.fold_in(key, 0), (len(tasks) * self.groups,), 0, 2**31 - 1))
-        slots = [_Slot(row * self.groups + sample, EpisodeId(task, version, sample, int(seeds[row * self.groups + sample])))
+        devices = jax.local_device_count()
+        if len(tasks) % devices:
+            raise ValueError(f"{len(tasks)} task rows do not split over this process's {devices} devices")
+        self._meet_cohort(len(tasks), version, key)
+        policy = self.policy.bind(collective_host(variables))  # sampling is local: a host copy, bound once
+        first = jax.process_index() * len(tasks)
+        binding = Binding(version, first, len(tasks) // devices,
+                          tuple(jax.process_index() * devices + block for block in range(devices)))
+        everyone = jax.process_count() * len(tasks) * self.groups
+        seeds = np.asarray(jax.random.randint(jax.random.fold_in(key, 0), (everyone,), 0, 2**31 - 1))
+        slots = [_Slot(row * self.groups + sample,
+                       EpisodeId(task, version, sample, int(seeds[(first + row) * self.groups + sample])))
                  for row, task in enumerate(tasks) for sample in range(self.groups)]
         current: list[_Slot | None] = [None]
         try:
-            for slot in slots:
-                current[0] = slot
-                slot.manager = self.factory(slot.identity)
-                slot.env = slot.manager.__enter__()
-                slot.record = EpisodeRecord(Episode(slot.identity, _observed(slot, slot.env.reset())), [],
-                                            origin=origin, group=slot.row // self.groups)
-                _stop_on_failure(slot, slot.record.episode.last)
+            self._phase("opening the environments", lambda: self._open(slots, binding, current))
             for turn in range(self.max_turns):
-                if not self._round(slots, policy, version, jax.random.fold_in(key, turn + 1), current):
+                running = self._phase(f"round {turn + 1} of the episodes",
+                                      lambda: self._round(slots, policy, binding, jax.random.fold_in(key, turn + 1),
+                                                          current), running=True)
+                if not running:
                     break
             for slot in slots:
                 if slot.running:
                     slot.record.truncated = f"the episode needs more than max_turns={self.max_turns} model calls"
-            for slot in slots:  # while the environments are open; host-truncated episodes train on nothing
-                current[0] = slot
-                if slot.record.episode.status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED) \
-                        and not slot.record.truncated:
-                    slot.record.reward = _finite(slot, self.verifier(slot.record.episode))
+            self._phase("verifying the episodes", lambda: self._verify(slots, current))
         except BaseException as error:
             _release_all(slots, sys.exc_info())
             failed = current[0].record if current[0] is not None else None
@@ -195,36 +231,91 @@ class EpisodeRollout:
                 continue
             records.append(slot.record)
         self._report(records)
-        return records
+        return records, binding
 
-    def _round(self, slots: list[_Slot], policy, version: int, key: jax.Array, current) -> bool:
-        """One sampling round over every slot; False when no episode is running."""
+    # ----- the phases: each ends in a meeting of every rank ----------------------------------------
+
+    def _meet_cohort(self, rows: int, version: int, key: jax.Array) -> None:
+        """Every rank has as many task rows and the same options, clock and key, before any environment opens."""
+        if jax.process_count() == 1:
+            return
+        mine = {"rows": rows, "options": self.options, "version": version,
+                "key": np.asarray(jax.random.key_data(key)).tolist()}
+        everyone = exchange(mine)
+        for process, theirs in enumerate(everyone):
+            for name in mine:
+                if theirs[name] != mine[name]:
+                    raise ValueError(f"the episode cohort differs across processes: {name} is {mine[name]!r} on "
+                                     f"process {jax.process_index()} and {theirs[name]!r} on process {process}; "
+                                     "every rank must collect alike")
+
+    def _phase(self, what: str, run: Callable[[], bool | None], running: bool = False):
+        """Run one phase here, then meet: a failure on any rank raises on every rank; returns whether any rank
+        still has a running episode (``running``) or the phase's own result."""
+        error, result = None, None
+        try:
+            result = run()
+        except BaseException as caught:  # told to every rank first
+            error = caught
+        if jax.process_count() == 1:
+            if error is not None:
+                raise error
+            return result
+        everyone = exchange({"error": describe_error(error), "running": bool(result) if running else False})
+        raise_failures(everyone, error, what)
+        return any(theirs["running"] for theirs in everyone) if running else result
+
+    def _open(self, slots: list[_Slot], binding: Binding, current) -> None:
+        for slot in slots:
+            current[0] = slot
+            slot.manager = self.factory(slot.identity)
+            slot.env = slot.manager.__enter__()
+            slot.record = EpisodeRecord(Episode(slot.identity, _observed(slot, slot.env.reset())), [],
+                                        origin=binding, group=binding.first_group + slot.row // self.groups)
+            _stop_on_failure(slot, slot.record.episode.last)
+
+    def _round(self, slots: list[_Slot], policy, binding: Binding, key: jax.Array, current) -> bool:
+        """One sampling round: each local block of slots in one policy call; True while an episode here runs."""
         for slot in slots:
             if slot.running and len(slot.record.episode.last.context) > self.max_prompt_tokens:
                 slot.record.truncated = (f"a context of {len(slot.record.episode.last.context)} ids exceeds "
-                                  f"max_prompt_tokens={self.max_prompt_tokens}")
-        live = [slot.running for slot in slots]
-        if not any(live):
-            return False
-        contexts = [slot.record.episode.last.context if alive else INERT for slot, alive in zip(slots, live)]
-        generation = jax.device_get(policy(contexts, self.max_new_tokens, key, self.sampling))
-        for slot, alive in zip(slots, live):
-            if not alive:
+                                         f"max_prompt_tokens={self.max_prompt_tokens}")
+        size = binding.tasks_per_block * self.groups
+        for block, global_block in enumerate(binding.blocks):
+            members = slots[block * size:(block + 1) * size]
+            live = [slot.running for slot in members]
+            if not any(live):
                 continue
+            contexts = [slot.record.episode.last.context if alive else INERT for slot, alive in zip(members, live)]
+            generation = jax.device_get(policy(contexts, self.max_new_tokens, jax.random.fold_in(key, global_block),
+                                               self.sampling))
+            for row, (slot, alive) in enumerate(zip(members, live)):
+                if alive:
+                    current[0] = slot
+                    self._act(slot, generation, row, binding.version)
+        return any(slot.running for slot in slots)
+
+    def _act(self, slot: _Slot, generation, row: int, version: int) -> None:
+        count = int(generation.lengths[row])
+        action = Action(slot.record.episode.last.context, tuple(int(i) for i in generation.ids[row, :count]),
+                        bool(generation.eos[row]), policy_step=version)
+        slot.record.actions.append(ActionRecord(action, generation.old_log_probs[row, :count].tolist(),
+                                                generation.behavior_log_probs[row, :count].tolist()))
+        if not action.eos:  # recorded, never sent to a tool
+            observation = Observation((), EpisodeStatus.TRUNCATED,
+                                      f"the response spent max_new_tokens={self.max_new_tokens} without EOS")
+        else:
+            observation = _observed(slot, slot.env.step(action))
+        slot.record.episode.transitions.append(Transition(action, observation))
+        _stop_on_failure(slot, observation)
+
+    def _verify(self, slots: list[_Slot], current) -> None:
+        """The verifier on every completed or environment-truncated episode, its environment still open."""
+        for slot in slots:
             current[0] = slot
-            row, count = slot.row, int(generation.lengths[slot.row])
-            action = Action(slot.record.episode.last.context, tuple(int(i) for i in generation.ids[row, :count]),
-                            bool(generation.eos[row]), policy_step=version)
-            slot.record.actions.append(ActionRecord(action, generation.old_log_probs[row, :count].tolist(),
-                                                    generation.behavior_log_probs[row, :count].tolist()))
-            if not action.eos:  # recorded, never sent to a tool
-                observation = Observation((), EpisodeStatus.TRUNCATED,
-                                          f"the response spent max_new_tokens={self.max_new_tokens} without EOS")
-            else:
-                observation = _observed(slot, slot.env.step(action))
-            slot.record.episode.transitions.append(Transition(action, observation))
-            _stop_on_failure(slot, observation)
-        return True
+            episode = slot.record.episode
+            if episode.status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED) and not slot.record.truncated:
+                slot.record.reward = _finite(slot, self.verifier(episode))
 
     def _report(self, records: list[EpisodeRecord]) -> None:
         if self.record is not None:
@@ -233,25 +324,41 @@ class EpisodeRollout:
 
     # ----- projection ----------------------------------------------------------------------------
 
-    def project(self, records: list[EpisodeRecord], rows: int) -> dict[str, np.ndarray] | None:
-        """The packed GRPO batch of one collection's records; None when every episode is masked."""
-        origins = {id(record.origin) for record in records}
-        if len(origins) > 1:
-            raise ValueError(f"these {len(records)} episode records come from {len(origins)} separate collection "
-                             "bindings; project each collection's records on their own")
-        sessions = [session_of(record) for record in records]
-        batch = pack(sessions, self.width, rows=max(rows, 1), estimator=self.estimator, truncation="mask")
-        trained = [s for s in sessions if s.status.name in ("COMPLETED", "AGENT_ERROR")]
-        rewards = np.array([s.reward for s in trained], np.float64)
-        self.metrics = {
-            "reward/mean": float(rewards.mean()) if len(rewards) else float("nan"),
-            "episode/turns": float(np.mean([len(r.actions) for r in records])) if records else 0.0,
-            "episode/truncated_share": float(np.mean([r.status is EpisodeStatus.TRUNCATED for r in records]))
-            if records else 0.0,
-        }
-        if not (batch["response_mask"] != 0).any():
-            return None
-        return batch
+    def _project(self, records: list[EpisodeRecord], binding: Binding) -> dict[str, np.ndarray] | None:
+        strangers = [r for r in records if r.origin is not binding]
+        if strangers:
+            raise ValueError(f"{len(strangers)} of these {len(records)} episode records come from a separately bound "
+                             "collection; project each collection's records on their own")
+        rows = binding.tasks_per_block * self.groups * self.max_turns  # B * G * K per block: always fits
+        blocks = []
+        for block in range(len(binding.blocks)):
+            low = binding.first_group + block * binding.tasks_per_block
+            mine = [r for r in records if low <= r.group < low + binding.tasks_per_block]
+            sessions = [session_of(r) for r in mine]
+            packed = pack(sessions, self.width, rows=rows, estimator=self.estimator, truncation="mask")
+            # every episode records raw likelihoods; a block with nothing trainable still carries the field
+            packed.setdefault("old_log_probs", np.zeros_like(packed["behavior_log_probs"]))
+            # session_index names the episode's global slot, so sessions of different blocks never collide
+            slot_of = np.array([r.group * self.groups + r.episode.id.sample for r in mine] or [0], np.int32)
+            index = packed["session_index"]
+            packed["session_index"] = np.where(index >= 0, slot_of[np.maximum(index, 0)], -1).astype(np.int32)
+            blocks.append(packed)
+        batch = {name: np.concatenate([b[name] for b in blocks]) for name in blocks[0]}
+        self.metrics = _metrics(records)
+        trainable = bool((batch["response_mask"] != 0).any())
+        if jax.process_count() > 1:
+            trainable = any(theirs["trainable"] for theirs in exchange({"trainable": trainable}))
+        return batch if trainable else None
+
+
+def _metrics(records: list[EpisodeRecord]) -> dict[str, float]:
+    rewards = [r.reward for r in records if r.reward is not None and r.status is EpisodeStatus.COMPLETED]
+    return {
+        "reward/mean": float(np.mean(rewards)) if rewards else float("nan"),
+        "episode/turns": float(np.mean([len(r.actions) for r in records])) if records else 0.0,
+        "episode/truncated_share": float(np.mean([r.status is EpisodeStatus.TRUNCATED for r in records]))
+        if records else 0.0,
+    }
 
 
 def _task_ids(batch) -> list[int]:
