@@ -14,6 +14,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 
 from dew.inference.engines import free_port  # noqa: E402 (after the environment above); tests import it from here
+from dew.inference.generation import Generation  # noqa: E402
 
 
 def import_from(folder: str, module: str):
@@ -54,6 +55,36 @@ def two_processes(worker: str, arguments, timeout: float = 240) -> None:
         for worker in workers:
             worker.kill()
     assert all(worker.returncode == 0 for worker in workers), "\n----\n".join(logs)
+
+
+class ScriptedPolicy:
+    """A bindable policy, as TextGeneration is, whose reply to a context is ``reply(context)`` then ``eos_id``.
+
+    Likelihoods are recognisable: raw ``-0.5 - 0.01 t`` for the t-th id, behaviour half
+    of that. ``calls`` keeps every call's contexts (inert rows included).
+    """
+
+    def __init__(self, reply, eos_id: int, eos: bool = True):
+        self.reply, self.eos_id, self.eos, self.calls = reply, eos_id, eos, []
+
+    def bind(self, variables):
+        return self
+
+    def __call__(self, contexts, budget, key, sampling):
+        self.calls.append([tuple(c) for c in contexts])
+        rows = len(contexts)
+        ids = np.zeros((rows, budget), np.int32)
+        lengths = np.zeros(rows, np.int32)
+        for row, context in enumerate(contexts):
+            reply = (list(self.reply(tuple(context))) + ([self.eos_id] if self.eos else []))[:budget]
+            ids[row, : len(reply)] = reply
+            lengths[row] = len(reply)
+        written = np.arange(budget)[None, :] < lengths[:, None]
+        old = np.where(written, -0.5 - 0.01 * np.arange(budget), 0.0).astype(np.float32)
+        ended = np.array([self.eos and ids[row, max(n - 1, 0)] == self.eos_id and n > 0
+                          for row, n in enumerate(lengths)])
+        return Generation(ids=ids, old_log_probs=old, behavior_log_probs=(old * 0.5).astype(np.float32),
+                          lengths=lengths, eos=ended)
 
 
 def launch_workers(worker: str, scenario: str, tmp_path, env: dict | None = None, processes=(0, 1)) -> list:

@@ -14,9 +14,12 @@ import time
 import uuid
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from conftest import ScriptedPolicy
 
+from dew.objectives.rl import EpisodeRollout
 from dew.records.episodes import (
     Action,
     Environment,
@@ -330,3 +333,29 @@ def test_factory_validation():
     closed.close()
     with pytest.raises(RuntimeError, match="is closed"):
         closed.reset()
+
+
+# -- a whole EpisodeRollout cohort through real workers -----------------------------------------
+
+
+def test_an_episode_rollout_cohort_runs_through_real_workers():
+    marker = f"dew-cohort-{uuid.uuid4().hex}"
+    factory = SubprocessEnvironment([sys.executable, WORKER, "--turns", "2", "--marker", marker],
+                                    SandboxLimits(wall_seconds=30))
+    policy = ScriptedPolicy(lambda context: [2 + len(context) % 3], EOS)  # calls square(n), then answers
+
+    def verifier(episode):
+        return float(episode.status is EpisodeStatus.COMPLETED and episode.detail.startswith("answer"))
+
+    rollout = EpisodeRollout(policy, factory, verifier, max_prompt_tokens=8, max_new_tokens=2, max_turns=3, groups=2)
+    records = rollout.collect({"task_id": np.array([3, 4], np.int32)}, None, 7, jax.random.key(0))
+    assert [(r.episode.id.task, r.episode.id.sample) for r in records] == [(3, 0), (3, 1), (4, 0), (4, 1)]
+    for record in records:
+        (call, final) = record.episode.transitions
+        n = call.action.tokens[0]
+        assert call.observation.context == call.action.context + call.action.tokens + (TOOL, n * n)
+        assert final.action.context == call.observation.context and record.reward == 1.0
+        assert call.observation.detail == f"square({n}) = {n * n} at policy step 7"
+    batch = rollout.project(records)
+    assert int((batch["text_segment_ids"].max(axis=1) > 0).sum()) == 4  # one chain per episode: the contexts extend
+    assert wait_until(lambda: not marked(marker))  # every worker's process group is gone

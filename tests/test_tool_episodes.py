@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import ScriptedPolicy
 
 from dew import Trainer, models
 from dew.collection.episodes import EpisodeCancelled, EpisodeFailure
@@ -99,36 +100,11 @@ def verify(episode) -> float:
     return float(last[:-1] == (NUM(n * n),) and episode.status is EpisodeStatus.COMPLETED)
 
 
-class Scripted:
-    """A bindable policy that replies with fixed turns (ids, then EOS) and recognisable likelihoods."""
+class Scripted(ScriptedPolicy):
+    """Replies ``turns(n, context)`` (n: the task's number) then EOS."""
 
     def __init__(self, turns, eos=True):
-        self.turns, self.eos, self.calls = turns, eos, []
-
-    def bind(self, variables):
-        return self
-
-    def __call__(self, contexts, budget, key, sampling):
-        self.calls.append([tuple(c) for c in contexts])
-        rows = len(contexts)
-        ids = np.zeros((rows, budget), np.int32)
-        lengths = np.zeros(rows, np.int32)
-        for row, context in enumerate(contexts):
-            n = context[0] - 4
-            reply = self.turns(n, context)
-            reply = list(reply) + ([EOS] if self.eos else [])
-            reply = reply[:budget]
-            ids[row, : len(reply)] = reply
-            lengths[row] = len(reply)
-        positions = np.arange(budget)[None, :] < lengths[:, None]
-        old = np.where(positions, -0.5 - 0.01 * np.arange(budget), 0.0).astype(np.float32)
-        return _Generation(ids, old, (old * 0.5).astype(np.float32), lengths,
-                           np.array([self.eos and n <= budget for n in lengths]))
-
-
-class _Generation:
-    def __init__(self, ids, old, behavior, lengths, eos):
-        self.ids, self.old_log_probs, self.behavior_log_probs, self.lengths, self.eos = ids, old, behavior, lengths, eos
+        super().__init__(lambda context: turns(context[0] - 4, context), EOS, eos=eos)
 
 
 def square_then_answer(n, context):
