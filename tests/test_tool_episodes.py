@@ -12,6 +12,7 @@ TextGeneration drives serves).
 import asyncio
 import concurrent.futures
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,13 @@ class SquareEnvironment(Environment):
     def close(self):
         self.closed = True
         self.audit.append(("close", self.identity.task, self.identity.sample))
+
+    def get_state(self) -> bytes:
+        return json.dumps({"steps": self.steps}).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.steps = json.loads(state)["steps"]
+        self.audit.append(("restored", self.identity.task, self.identity.sample, self.steps))
 
 
 class Harness:

@@ -43,7 +43,10 @@ and each local device's block of slots is one call whose key is folded with the 
 global index, so one process holding two devices draws, packs and trains exactly what two
 processes of one device each do.
 
-Absent so far: the EpisodeJournal (crash-safe resume of in-flight episodes).
+With ``journal=EpisodeJournal(directory)`` every draw, turn, snapshot and reward is
+committed as it happens, and a run restarted from its checkpoint resumes the collection
+it was in (see :mod:`dew.collection.journal`); environments must then implement
+``get_state`` / ``set_state``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from dew.collection.journal import EpisodeJournal, policy_digest
 from dew.losses.advantages import ESTIMATORS
 from dew.records.episode_sessions import ActionRecord, EpisodeRecord, session_of
 from dew.records.episodes import Action, Environment, Episode, EpisodeId, EpisodeStatus, Observation, Transition
@@ -138,6 +142,7 @@ class EpisodeRollout:
         max_turns: int,
         groups: int,
         sampling: Sampling | None = None,
+        journal: EpisodeJournal | None = None,
         record: Callable[[EpisodeRecord], object] | None = None,
         estimator: str = "group",
     ):
@@ -151,6 +156,9 @@ class EpisodeRollout:
             raise TypeError(f"verifier must be callable as verifier(episode), got {verifier!r}")
         if record is not None and not callable(record):
             raise TypeError(f"record must be callable on an EpisodeRecord, got {record!r}")
+        if journal is not None and not isinstance(journal, EpisodeJournal):
+            raise TypeError(f"journal must be an EpisodeJournal or None, got {type(journal).__name__}")
+        self.journal = journal
         self.max_prompt_tokens = positive_int("max_prompt_tokens", max_prompt_tokens)
         self.max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
         self.max_turns = positive_int("max_turns", max_turns)
@@ -195,7 +203,14 @@ class EpisodeRollout:
         if len(tasks) % devices:
             raise ValueError(f"{len(tasks)} task rows do not split over this process's {devices} devices")
         self._meet_cohort(len(tasks), version, key)
-        policy = self.policy.bind(collective_host(variables))  # sampling is local: a host copy, bound once
+        host = collective_host(variables)
+        policy = self.policy.bind(host)  # sampling is local: a host copy, bound once
+        if self.journal is not None:
+            self.journal.begin({
+                "tasks": tasks, "options": self.options, "clock": version,
+                "key": np.asarray(jax.random.key_data(key)).tolist(), "policy": policy_digest(host),
+                "topology": {"processes": jax.process_count(), "process": jax.process_index(), "devices": devices},
+            })
         first = jax.process_index() * len(tasks)
         binding = Binding(version, first, len(tasks) // devices,
                           tuple(jax.process_index() * devices + block for block in range(devices)))
@@ -209,7 +224,7 @@ class EpisodeRollout:
             self._phase("opening the environments", lambda: self._open(slots, binding, current))
             for turn in range(self.max_turns):
                 running = self._phase(f"round {turn + 1} of the episodes",
-                                      lambda: self._round(slots, policy, binding, jax.random.fold_in(key, turn + 1),
+                                      lambda: self._round(slots, policy, binding, turn, jax.random.fold_in(key, turn + 1),
                                                           current), running=True)
                 if not running:
                     break
@@ -230,6 +245,8 @@ class EpisodeRollout:
             except Exception:  # noqa: BLE001 - a release that fails throws the episode out, it is never scored
                 continue
             records.append(slot.record)
+        if self.journal is not None:
+            self.journal.finish()
         self._report(records)
         return records, binding
 
@@ -266,46 +283,83 @@ class EpisodeRollout:
         return any(theirs["running"] for theirs in everyone) if running else result
 
     def _open(self, slots: list[_Slot], binding: Binding, current) -> None:
+        journal = self.journal
         for slot in slots:
             current[0] = slot
             slot.manager = self.factory(slot.identity)
             slot.env = slot.manager.__enter__()
-            slot.record = EpisodeRecord(Episode(slot.identity, _observed(slot, slot.env.reset())), [],
-                                        origin=binding, group=binding.first_group + slot.row // self.groups)
+            if journal is not None and slot.row in journal.resets:  # restored, not reset a second time
+                observation, snapshot = journal.resets[slot.row]
+                _restore(slot, snapshot)
+            else:
+                observation = _observed(slot, slot.env.reset())
+                if journal is not None:
+                    journal.reset(slot.row, observation, _snapshot(slot))
+            slot.record = EpisodeRecord(Episode(slot.identity, observation), [], origin=binding,
+                                        group=binding.first_group + slot.row // self.groups)
             _stop_on_failure(slot, slot.record.episode.last)
 
-    def _round(self, slots: list[_Slot], policy, binding: Binding, key: jax.Array, current) -> bool:
-        """One sampling round: each local block of slots in one policy call; True while an episode here runs."""
+    def _round(self, slots: list[_Slot], policy, binding: Binding, turn: int, key: jax.Array, current) -> bool:
+        """One sampling round: each local block of slots in one policy call (or its journaled draws); True while an
+        episode here runs."""
         for slot in slots:
             if slot.running and len(slot.record.episode.last.context) > self.max_prompt_tokens:
                 slot.record.truncated = (f"a context of {len(slot.record.episode.last.context)} ids exceeds "
                                          f"max_prompt_tokens={self.max_prompt_tokens}")
         size = binding.tasks_per_block * self.groups
+        journal = self.journal
         for block, global_block in enumerate(binding.blocks):
-            members = slots[block * size:(block + 1) * size]
-            live = [slot.running for slot in members]
-            if not any(live):
+            members = [slot for slot in slots[block * size:(block + 1) * size] if slot.running]
+            if not members:
                 continue
-            contexts = [slot.record.episode.last.context if alive else INERT for slot, alive in zip(members, live)]
-            generation = jax.device_get(policy(contexts, self.max_new_tokens, jax.random.fold_in(key, global_block),
-                                               self.sampling))
-            for row, (slot, alive) in enumerate(zip(members, live)):
-                if alive:
-                    current[0] = slot
-                    self._act(slot, generation, row, binding.version)
+            recorded = [None if journal is None else journal.turns.get(slot.row, {}).get(turn) for slot in members]
+            if all(entry is not None for entry in recorded):  # this block's draws survived a crash: reused
+                draws = [entry.action for entry in recorded]
+            else:
+                draws = self._draw(slots[block * size:(block + 1) * size], members, policy,
+                                   jax.random.fold_in(key, global_block), binding.version)
+                if journal is not None:
+                    journal.pending(turn, {slot.row: draw for slot, draw in zip(members, draws)})
+                recorded = [None] * len(members)
+            for slot, draw, entry in zip(members, draws, recorded):
+                current[0] = slot
+                self._act(slot, draw, turn, entry)
         return any(slot.running for slot in slots)
 
-    def _act(self, slot: _Slot, generation, row: int, version: int) -> None:
-        count = int(generation.lengths[row])
-        action = Action(slot.record.episode.last.context, tuple(int(i) for i in generation.ids[row, :count]),
-                        bool(generation.eos[row]), policy_step=version)
-        slot.record.actions.append(ActionRecord(action, generation.old_log_probs[row, :count].tolist(),
-                                                generation.behavior_log_probs[row, :count].tolist()))
-        if not action.eos:  # recorded, never sent to a tool
-            observation = Observation((), EpisodeStatus.TRUNCATED,
-                                      f"the response spent max_new_tokens={self.max_new_tokens} without EOS")
+    def _draw(self, block: list[_Slot], members: list[_Slot], policy, key: jax.Array, version: int
+              ) -> list[ActionRecord]:
+        """One policy call over the block's rows (inert prompts where an episode ended); the live slots' draws."""
+        live = {id(slot) for slot in members}
+        contexts = [slot.record.episode.last.context if id(slot) in live else INERT for slot in block]
+        generation = jax.device_get(policy(contexts, self.max_new_tokens, key, self.sampling))
+        draws = []
+        for row, slot in enumerate(block):
+            if id(slot) in live:
+                count = int(generation.lengths[row])
+                action = Action(slot.record.episode.last.context, tuple(int(i) for i in generation.ids[row, :count]),
+                                bool(generation.eos[row]), policy_step=version)
+                draws.append(ActionRecord(action, generation.old_log_probs[row, :count].tolist(),
+                                          generation.behavior_log_probs[row, :count].tolist()))
+        return draws
+
+    def _act(self, slot: _Slot, draw: ActionRecord, turn: int, recorded) -> None:
+        """The draw's turn: replayed from the journal when it completed before a crash, else sent to the tool."""
+        action = draw.action
+        slot.record.actions.append(draw)
+        if recorded is not None and recorded.observation is not None:
+            observation = recorded.observation
+            if recorded.snapshot is not None:
+                _restore(slot, recorded.snapshot)
         else:
-            observation = _observed(slot, slot.env.step(action))
+            snapshot = None
+            if not action.eos:  # recorded, never sent to a tool
+                observation = Observation((), EpisodeStatus.TRUNCATED,
+                                          f"the response spent max_new_tokens={self.max_new_tokens} without EOS")
+            else:
+                observation = _observed(slot, slot.env.step(action))
+                snapshot = _snapshot(slot) if self.journal is not None else None
+            if self.journal is not None:
+                self.journal.complete(slot.row, turn, observation, snapshot)
         slot.record.episode.transitions.append(Transition(action, observation))
         _stop_on_failure(slot, observation)
 
@@ -315,7 +369,12 @@ class EpisodeRollout:
             current[0] = slot
             episode = slot.record.episode
             if episode.status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED) and not slot.record.truncated:
+                if self.journal is not None and slot.row in self.journal.rewards:
+                    slot.record.reward = self.journal.rewards[slot.row]  # verified before a crash
+                    continue
                 slot.record.reward = _finite(slot, self.verifier(episode))
+                if self.journal is not None:
+                    self.journal.reward(slot.row, slot.record.reward)
 
     def _report(self, records: list[EpisodeRecord]) -> None:
         if self.record is not None:
@@ -375,6 +434,25 @@ def _observed(slot: _Slot, observation) -> Observation:
     if not isinstance(observation, Observation):
         raise TypeError(f"the environment of {slot.identity} returned {type(observation).__name__}, not an Observation")
     return observation
+
+
+def _snapshot(slot: _Slot) -> bytes:
+    """The environment's state for the journal; an environment without snapshots cannot be journaled."""
+    try:
+        state = slot.env.get_state()
+    except NotImplementedError as error:
+        raise TypeError(f"an EpisodeJournal needs environments that snapshot their state: {error}") from None
+    if not isinstance(state, bytes):
+        raise TypeError(f"the environment of {slot.identity} returned {type(state).__name__} from get_state(), "
+                        "not bytes")
+    return state
+
+
+def _restore(slot: _Slot, snapshot: bytes) -> None:
+    try:
+        slot.env.set_state(snapshot)
+    except NotImplementedError as error:
+        raise TypeError(f"an EpisodeJournal needs environments that restore their state: {error}") from None
 
 
 def _stop_on_failure(slot: _Slot, observation: Observation) -> None:

@@ -6,6 +6,10 @@ the worker last returned (otherwise it replies "error" and stays alive). The fir
 [TOOL, n * n] after the action; the last step is the answer and completes the episode.
 get_state / set_state snapshot the whole state as base64 JSON.
 
+``--modulus M`` squares modulo M; ``--audit PATH`` appends each completed square call as a
+JSON line (the episode identity, the turn and n); ``--pause TASK,TURN:FILE`` creates FILE
+at that square call and then waits forever (for a test to kill it mid-call).
+
 ``--fail KIND`` misbehaves at the first step instead (see ``fail``); ``--spawn`` starts a
 grandchild that sleeps, with the ``--marker`` in its argv; ``--marker`` is otherwise ignored
 and lets a test find this process in /proc.
@@ -72,6 +76,9 @@ def main() -> None:
     parser.add_argument("--fail", default=None)
     parser.add_argument("--spawn", action="store_true")
     parser.add_argument("--marker", default="")
+    parser.add_argument("--modulus", type=int, default=None, help="square modulo this (keeps ids in a vocabulary)")
+    parser.add_argument("--audit", default=None, help="append each completed square call here, one JSON line")
+    parser.add_argument("--pause", default=None, help="TASK,TURN:FILE: at that call, create FILE and wait forever")
     args = parser.parse_args()
     state = {"context": [], "turn": 0, "episode": None}
     for line in iter(sys.stdin.readline, ""):
@@ -96,8 +103,18 @@ def main() -> None:
             after = request["context"] + tokens
             if state["turn"] < args.turns:
                 n = tokens[0]
-                state["context"] = after + [TOOL, n * n]
-                detail = f"square({n}) = {n * n} at policy step {request['policy_step']}"
+                episode = state["episode"]
+                if args.pause:
+                    where, marker = args.pause.split(":", 1)
+                    if where == f"{episode['task']},{state['turn']}":
+                        open(marker, "w").close()
+                        time.sleep(3600)  # the test kills the trainer (and this worker with it) here
+                square = n * n if args.modulus is None else n * n % args.modulus
+                state["context"] = after + [TOOL, square]
+                if args.audit:
+                    with open(args.audit, "a") as audit:
+                        audit.write(json.dumps({**episode, "turn": state["turn"], "n": n}) + "\n")
+                detail = f"square({n}) = {square} at policy step {request['policy_step']}"
                 send({"context": state["context"], "status": "running", "detail": detail})
             else:
                 state["context"] = after
