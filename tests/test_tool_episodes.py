@@ -242,23 +242,25 @@ def test_bad_options_and_records_from_two_bindings_are_refused():
         collector.project(first + second)
 
 
-def trainer(output_dir=None, steps_between=None):
+def trainer(output_dir=None, accumulate=1):
     model = ToolPolicy()
     objective = GRPOObjective(model, seq_len=10)
     episodes = rollout(TextGeneration(model), groups=4)
     return Trainer(objective, optax.adam(3e-2), key=jax.random.key(5), rollout=episodes, progress=False,
-                   output_dir=output_dir, checkpoint_every=steps_between)
+                   accumulate=accumulate, output_dir=output_dir, checkpoint_every=2 if output_dir else None)
 
 
 def task_stream():
     return Dataset(train=lambda partition: itertools.repeat(tasks(0, 1, 2)), val=None, records=None, batch=3)
 
 
-def test_grpo_trains_through_episodes_and_a_checkpoint_restore_changes_nothing(tmp_path):
-    reference = trainer().fit(task_stream(), steps=4, log_every=4)
-    trainer(tmp_path, steps_between=2).fit(task_stream(), steps=2, log_every=2)
-    resumed = trainer(tmp_path, steps_between=2).fit(task_stream(), steps=4, log_every=4)
-    assert int(resumed.updates) == int(reference.updates) >= 2  # a step whose every episode truncated makes none
+@pytest.mark.parametrize("accumulate, stop", [(1, 2), (2, 3)])  # (2, 3): stopped inside an accumulation window
+def test_grpo_trains_through_episodes_and_a_checkpoint_restore_changes_nothing(tmp_path, accumulate, stop):
+    reference = trainer(accumulate=accumulate).fit(task_stream(), steps=5, log_every=5)
+    first = trainer(tmp_path, accumulate).fit(task_stream(), steps=stop, log_every=5)
+    assert int(first.step) == stop
+    resumed = trainer(tmp_path, accumulate).fit(task_stream(), steps=5, log_every=5)
+    assert int(resumed.updates) == int(reference.updates) >= 1  # a step whose every episode truncated makes none
     for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(reference.params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     start = jax.jit(ToolPolicy().init)(jax.random.key(5), jnp.zeros((1, 4), jnp.int32))
@@ -316,3 +318,29 @@ def test_loss_gradients_reach_sampled_actions_only():
     assert not gradient[~sampled].any()  # prompts and the tool's ids get none
     trained = sampled & (np.asarray(batch["advantages"]) != 0)
     assert trained.sum() == 8 and (gradient[trained] != 0).all()
+
+
+@pytest.mark.parametrize("reply, eos, message", [
+    (lambda n, c: [SQUARE, EOS, SQUARE], False, "sampled id 1 is an EOS id"),  # ids after EOS
+    (lambda n, c: [SQUARE], False, None),  # a budget-hit draw: fine, truncated
+])
+def test_a_policy_draw_is_checked_like_every_action(reply, eos, message):
+    collector = rollout(Scripted(reply, eos=eos), max_new_tokens=3)
+    if message is None:
+        assert all(r.status is EpisodeStatus.TRUNCATED for r in collector.collect(tasks(0), None, 0, jax.random.key(0)))
+        return
+    with pytest.raises(EpisodeFailure) as caught:
+        collector.collect(tasks(0), None, 0, jax.random.key(0))
+    assert message in str(caught.value.__cause__)
+
+
+def test_non_finite_likelihoods_are_refused():
+    class Broken(Scripted):
+        def __call__(self, contexts, budget, key, sampling):
+            out = super().__call__(contexts, budget, key, sampling)
+            out.old_log_probs[0, 0] = np.nan
+            return out
+
+    with pytest.raises(EpisodeFailure) as caught:
+        rollout(Broken(square_then_answer)).collect(tasks(0), None, 0, jax.random.key(0))
+    assert "old_log_probs must be finite" in str(caught.value.__cause__)

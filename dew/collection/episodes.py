@@ -64,6 +64,7 @@ import numpy as np
 
 from dew.collection.journal import EpisodeJournal, policy_digest
 from dew.losses.advantages import ESTIMATORS
+from dew.records.actions import check_action
 from dew.records.episode_sessions import ActionRecord, EpisodeRecord, session_of
 from dew.records.episodes import Action, Environment, Episode, EpisodeId, EpisodeStatus, Observation, Transition
 from dew.records.packing import pack
@@ -336,10 +337,14 @@ class EpisodeRollout:
         for row, slot in enumerate(block):
             if id(slot) in live:
                 count = int(generation.lengths[row])
-                action = Action(slot.record.episode.last.context, tuple(int(i) for i in generation.ids[row, :count]),
-                                bool(generation.eos[row]), policy_step=version)
-                draws.append(ActionRecord(action, generation.old_log_probs[row, :count].tolist(),
-                                          generation.behavior_log_probs[row, :count].tolist()))
+                tokens, eos = generation.ids[row, :count].tolist(), bool(generation.eos[row])
+                old = generation.old_log_probs[row, :count].tolist()
+                behavior = generation.behavior_log_probs[row, :count].tolist()
+                # the validator of every action: ids, aligned finite likelihoods, EOS only last and as flagged
+                check_action(f"the policy's draw for {slot.identity}", slot.record.episode.last.context, tokens,
+                             behavior, old, eos=eos, eos_ids=self.sampling.eos_ids)
+                action = Action(slot.record.episode.last.context, tuple(tokens), eos, policy_step=version)
+                draws.append(ActionRecord(action, old, behavior))
         return draws
 
     def _act(self, slot: _Slot, draw: ActionRecord, turn: int, recorded) -> None:
