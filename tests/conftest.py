@@ -100,7 +100,7 @@ def launch_workers(worker: str, scenario: str, tmp_path, env: dict | None = None
     return started
 
 
-def finish_workers(started: list, timeout: float) -> list:
+def finish_workers(started: list, timeout: float = 300) -> list:
     """Wait for every process (killing all of them past ``timeout``); returns [(returncode, output, OUT)]."""
     results = []
     try:

@@ -12,23 +12,14 @@ import pytest
 from conftest import ROOT, finish_workers, launch_workers
 
 WORKER = str(ROOT / "tests" / "workers" / "episode_worker.py")
-TIMEOUT = 300  # seconds; a hang must still end the test
-
-
-def launch(scenario, tmp_path, env=None, processes=(0, 1)):
-    return launch_workers(WORKER, scenario, tmp_path, env, processes)
-
-
-def finish(started):
-    return finish_workers(started, TIMEOUT)
 
 
 @pytest.mark.slow
 def test_two_processes_collect_and_train_as_one_process_holding_two_devices(tmp_path):
-    pair = launch("parity", tmp_path)
-    reference = launch("reference", tmp_path, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    pair = launch_workers(WORKER, "parity", tmp_path)
+    reference = launch_workers(WORKER, "reference", tmp_path, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
                        processes=(0,))
-    results = finish(pair + reference)
+    results = finish_workers(pair + reference)
     for code, output, _ in results:
         assert code == 0, output
     first, second, alone = (json.loads(path.read_text()) for _, _, path in results)
@@ -57,7 +48,7 @@ def test_two_processes_collect_and_train_as_one_process_holding_two_devices(tmp_
     ("mismatch", "the episode cohort differs across processes: options", None),
 ])
 def test_a_failure_on_one_rank_ends_every_rank_and_releases_what_each_opened(tmp_path, scenario, own, others):
-    results = finish(launch(scenario, tmp_path))
+    results = finish_workers(launch_workers(WORKER, scenario, tmp_path))
     for process, (code, output, path) in enumerate(results):
         assert code != 0 and not path.exists(), output
         assert (own if process == 1 or others is None else others) in output, output

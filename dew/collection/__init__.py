@@ -4,7 +4,8 @@
 one path from a draw to a reward), ``sources`` (PromptSource, EnvironmentSource over any
 RolloutServer), ``tasks`` (batch -> Task converters), ``scheduler`` (RolloutScheduler and
 its admission), ``agreement`` (where the schedulers of several trainer processes meet)
-and ``streams`` (the read-ahead training stream). Tool-episode collection
-(EpisodeRollout, the journal), PPORollout and FlowRollout belong here too. The spec's
-import path for all of it is :mod:`dew.objectives.rl`.
+``streams`` (the read-ahead training stream), ``episodes`` (EpisodeRollout: tool episodes
+inside the trainer) and ``journal`` (EpisodeJournal, their crash-safe record). PPORollout
+and FlowRollout belong here too. The spec's import path for all of it is
+:mod:`dew.objectives.rl`.
 """

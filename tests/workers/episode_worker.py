@@ -11,19 +11,18 @@ square Harness. Scenarios:
 - "tool_failure": on process 1, the environments of task 2 raise at their first step;
 - "mismatch": process 1 builds its rollout with max_new_tokens=4.
 
-On a failure the worker prints which environments it opened and whether each was
-released (a JSON line starting with ``RELEASED``), its traceback, and leaves with
-os._exit(1): a normal exit would wait in jax.distributed's shutdown for a peer that may be gone.
+On a failure the worker prints how many environments it opened and released (a JSON line
+starting with ``RELEASED``) and ends as tests/workers/jobs.py says.
 """
 
 import itertools
 import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the square-tool fixtures
+
+from jobs import run_job  # noqa: E402 (tests/workers, the script's own folder)
 
 HARNESS = []
 
@@ -115,18 +114,10 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
         json.dump(summary, handle)
 
 
-if __name__ == "__main__":
-    scenario, process, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    try:
-        main(scenario, process, port, out)
-    except BaseException:
-        opened = HARNESS[0].opened if HARNESS else []
-        print("RELEASED " + json.dumps({"opened": len(opened), "closed": sum(env.closed for env in opened)}))
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    if scenario != "reference":
-        import jax
+def released() -> None:
+    opened = HARNESS[0].opened if HARNESS else []
+    print("RELEASED " + json.dumps({"opened": len(opened), "closed": sum(env.closed for env in opened)}))
 
-        jax.distributed.shutdown()
+
+if __name__ == "__main__":
+    run_job(main, on_failure=released)

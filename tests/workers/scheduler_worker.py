@@ -15,17 +15,15 @@ k, of which each process reads its partition's rows; each writes a JSON summary 
 - "native": push="each", each process draws from its own NativeRolloutServer through a
   PromptSource, for two steps.
 
-A failure prints its traceback and leaves with os._exit(1): a normal exit would run
-jax.distributed's shutdown barrier, which waits for a peer that may already be gone.
+A failure ends the worker as tests/workers/jobs.py says.
 """
 
 import hashlib
 import itertools
 import json
-import os
-import sys
-import traceback
 from concurrent.futures import Future
+
+from jobs import run_job
 
 
 def main(scenario: str, process: int, port: str, out: str) -> None:
@@ -169,15 +167,4 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    scenario, process, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    try:
-        main(scenario, process, port, out)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    if scenario != "reference":
-        import jax
-
-        jax.distributed.shutdown()
+    run_job(main)

@@ -10,6 +10,7 @@ for HarborSource.
 """
 
 from dew.collection.episodes import EpisodeCancelled, EpisodeFailure, EpisodeRollout
+from dew.collection.journal import EpisodeJournal, JournalError
 from dew.collection.rollout import SampledRollout
 from dew.collection.scheduler import RolloutScheduler, SchedulerRecord
 from dew.collection.sources import EnvironmentSource, PromptSource
@@ -21,7 +22,7 @@ from dew.records.episodes import Action, Environment, Episode, EpisodeId, Episod
 
 __all__ = [
     "Action", "ActionRecord", "DPOObjective", "Environment", "EnvironmentSource", "Episode", "EpisodeCancelled",
-    "EpisodeFailure", "EpisodeId", "EpisodeRecord", "EpisodeRollout", "EpisodeStatus", "GRPOObjective",
-    "Observation", "PromptSource", "RolloutScheduler", "SampledRollout", "SchedulerRecord", "Transition",
-    "prompt_tasks", "session_of", "task_ids",
+    "EpisodeFailure", "EpisodeId", "EpisodeJournal", "EpisodeRecord", "EpisodeRollout", "EpisodeStatus",
+    "GRPOObjective", "JournalError", "Observation", "PromptSource", "RolloutScheduler", "SampledRollout",
+    "SchedulerRecord", "Transition", "prompt_tasks", "session_of", "task_ids",
 ]
