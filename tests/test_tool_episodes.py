@@ -238,6 +238,7 @@ def test_bad_options_and_records_from_two_bindings_are_refused():
     collector = rollout(Scripted(square_then_answer))
     first = collector.collect(tasks(0), None, 0, jax.random.key(0))
     second = collector.collect(tasks(0), None, 0, jax.random.key(0))  # same clocks, a separate binding
+    assert first == second  # the binding's identity is not part of a record's equality
     with pytest.raises(ValueError, match="2 of these 4 episode records come from a separately bound collection"):
         collector.project(first + second)
 

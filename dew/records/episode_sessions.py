@@ -61,7 +61,7 @@ class EpisodeRecord:
     episode: Episode
     actions: list[ActionRecord]
     reward: float | None = None
-    origin: object = None
+    origin: object = dataclasses.field(default=None, compare=False)  # never part of equality: replays compare equal
     group: int = 0
     truncated: str = ""
 

@@ -15,14 +15,13 @@ On a failure the worker prints how many environments it opened and released (a J
 starting with ``RELEASED``) and ends as tests/workers/jobs.py says.
 """
 
-import itertools
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the square-tool fixtures
 
-from jobs import run_job  # noqa: E402 (tests/workers, the script's own folder)
+from jobs import run_job, task_rows  # noqa: E402 (tests/workers, the script's own folder)
 
 HARNESS = []
 
@@ -89,12 +88,6 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
         projected.append(None if batch is None else {k: np.asarray(v).tolist() for k, v in batch.items()})
         collected.append(records[start:])
         return batch
-
-    def task_rows(partition):
-        for step in itertools.count():
-            rows = 4 // partition.count
-            ids = np.arange(4 * step, 4 * step + 4)[partition.index * rows:(partition.index + 1) * rows]
-            yield {"task_id": ids.astype(np.int32)}
 
     trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(5), rollout=rollout, progress=False)
     state = trainer.fit(Dataset(train=task_rows, batch=4), steps=3)

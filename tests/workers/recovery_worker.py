@@ -10,7 +10,6 @@ squares mod 64) auditing each completed square call in RUN_DIR/audit.jsonl. PAUS
 every rollout call's records and the final parameters.
 """
 
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -25,6 +24,8 @@ from dew.inference import TextGeneration
 from dew.objectives.rl import EpisodeRollout, EpisodeStatus, GRPOObjective
 from dew.sampling import Sampling
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
+
+from jobs import task_rows
 
 WORKER = str(Path(__file__).resolve().parent / "square_worker.py")
 
@@ -56,10 +57,6 @@ def main(run_dir: str, out: str, pause: str | None) -> None:
                            "observations": [list(t.observation.context) for t in r.episode.transitions],
                            "reward": r.reward} for r in records[start:]])
         return batch
-
-    def task_rows(partition):
-        for step in itertools.count():
-            yield {"task_id": np.arange(4 * step, 4 * step + 4, dtype=np.int32)}
 
     trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(11), rollout=rollout, progress=False,
                       output_dir=run / "checkpoints", checkpoint_every=1)

@@ -18,12 +18,13 @@ k, of which each process reads its partition's rows; each writes a JSON summary 
 A failure ends the worker as tests/workers/jobs.py says.
 """
 
+import functools
 import hashlib
 import itertools
 import json
 from concurrent.futures import Future
 
-from jobs import run_job
+from jobs import run_job, task_rows
 
 
 def main(scenario: str, process: int, port: str, out: str) -> None:
@@ -97,12 +98,6 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
                 futures.append(future)
             return futures
 
-    def task_rows(partition):
-        for step in itertools.count():
-            rows = 4 // partition.count
-            ids = np.arange(4 * step, 4 * step + 4)[partition.index * rows:(partition.index + 1) * rows]
-            yield {"task_id": ids.astype(np.int64)}
-
     records = []
     options = {"width": width, "rows": 4 if scenario == "reference" else 2, "tasks": task_ids, "groups": 2,
                "max_lag": 1, "ahead": 1, "log": records.append}
@@ -145,7 +140,7 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
         if scenario == "stuck":
             options["push"] = "each"
         source = Scripted(lambda: scheduler.served_version, masked=range(6, 12), failing=failing)
-        data = task_rows
+        data = functools.partial(task_rows, dtype=np.int64)
     scheduler = RolloutScheduler(objective, source, weights, **options)
     trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), rollout=scheduler, progress=False)
     state = trainer.fit(scheduler.tasks(Dataset(train=data, batch=4)), steps=2 if scenario == "native" else 4)
