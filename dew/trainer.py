@@ -9,8 +9,10 @@ What a step does, on the host and then compiled:
 
 1. the objective checks the host batch (``validate``);
 2. with a rollout, ``rollout(batch, variables, version, key)`` turns the data batch
-   into the batch to train on (``version`` is ``TrainState.updates``); when it
-   returns ``None`` the step consumes the batch but makes no update;
+   into the batch to train on (``version`` is ``TrainState.updates``); a rollout whose
+   ``takes_step`` is true also gets ``step=TrainState.step``, the attempted-work clock
+   (EpisodeRollout puts it in its episode identities); when it returns ``None`` the step
+   consumes the batch but makes no update;
 3. the batch is sharded over the ``"data"`` mesh (global rows must divide the device count);
 4. the jitted update computes the loss and gradients; with ``accumulate=k`` it adds
    them to a running sum and commits one optimizer update every k batches, so
@@ -85,7 +87,9 @@ class Rollout(Protocol):
 
     ``variables`` is the live policy, valid while the call runs (copy it to keep it);
     ``version`` is the number of committed updates behind it. Returning ``None``
-    skips the update for this batch.
+    skips the update for this batch. A rollout with ``takes_step = True`` is called with
+    ``step=`` as well: the batches consumed before this one, counting steps that made no
+    update.
     """
 
     def __call__(self, batch: Batch, variables: Variables, version: int, key: jax.Array) -> Batch | None: ...
@@ -224,7 +228,8 @@ class Trainer:
         step = int(state.step)
         if self.rollout is not None:
             rollout_key = jax.random.fold_in(jax.random.fold_in(state.key, step), 1)
-            batch = self.rollout(batch, state.params, int(state.updates), rollout_key)
+            clocks = {"step": step} if getattr(self.rollout, "takes_step", False) else {}
+            batch = self.rollout(batch, state.params, int(state.updates), rollout_key, **clocks)
             if batch is None:
                 return state.replace(step=state.step + 1), {}
         self._validate(batch, step)

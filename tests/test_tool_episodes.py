@@ -345,3 +345,24 @@ def test_non_finite_likelihoods_are_refused():
     with pytest.raises(EpisodeFailure) as caught:
         rollout(Broken(square_then_answer)).collect(tasks(0), None, 0, jax.random.key(0))
     assert "old_log_probs must be finite" in str(caught.value.__cause__)
+
+
+def test_identities_carry_the_attempted_step_and_actions_the_committed_update_clock():
+    calls = []
+
+    class FirstTruncates(Scripted):
+        def __call__(self, contexts, budget, key, sampling):
+            self.eos = bool(calls)  # the first Trainer step's draws spend the budget: nothing to train
+            calls.append(len(contexts))
+            return super().__call__(contexts, budget, key, sampling)
+
+    identities = []
+    episodes = rollout(FirstTruncates(square_then_answer), record=lambda r: identities.append(
+        (r.episode.id.step, {a.action.policy_step for a in r.actions})))
+    model = ToolPolicy()
+    trainer = Trainer(GRPOObjective(model, seq_len=10), optax.sgd(0.1), key=jax.random.key(0), rollout=episodes,
+                      progress=False)
+    state = trainer.fit(task_stream(), steps=2, log_every=2)
+    assert int(state.step) == 2 and int(state.updates) == 1
+    # step 0 made no update; step 1's episodes are attempt 1 at update clock 0
+    assert {step for step, _ in identities} == {0, 1} and all(clock == {0} for _, clock in identities)

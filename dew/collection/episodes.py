@@ -1,13 +1,14 @@
 """``EpisodeRollout``: multi-turn tool episodes as the Trainer's rollout for GRPOObjective.
 
 Each call receives a batch of integer ``task_id`` rows [B], the Trainer's variables, its
-committed update clock (``version``) and a key. Collection binds the policy once
+committed update clock (``version``, each action's ``policy_step``), a key and, from the
+Trainer, ``step=`` (the attempted-work clock). Collection binds the policy once
 (``policy.bind(variables)``: a :class:`~dew.inference.TextGeneration` or anything with the
 same call) and runs ``groups`` episodes of every task together, round by round:
 
 - the factory receives each episode's :class:`~dew.records.episodes.EpisodeId` (task,
-  attempted step = ``version``, sample, a seed from the key) and returns an Environment,
-  entered as a context manager; ``reset()`` gives the first context;
+  attempted step, sample, a seed from the key) and returns an Environment, entered as a
+  context manager; ``reset()`` gives the first context;
 - every round samples all B * G slots in one call, at their fixed row positions: a slot
   whose episode ended holds an inert one-id prompt whose output is thrown away, so turn
   counts never change which random stream a row draws from (row r of round k draws with
@@ -132,6 +133,8 @@ class _Stop(Exception):
 class EpisodeRollout:
     """Tool episodes for the Trainer (see the module docstring)."""
 
+    takes_step = True  # the Trainer passes step=, the attempted-work clock of the episode identities
+
     def __init__(
         self,
         policy,
@@ -181,14 +184,17 @@ class EpisodeRollout:
 
     # ----- the Trainer's hook --------------------------------------------------------------------
 
-    def __call__(self, batch, variables, version: int, key: jax.Array) -> dict[str, np.ndarray] | None:
-        records, binding = self._collect(batch, variables, version, key)
+    def __call__(self, batch, variables, version: int, key: jax.Array, step: int | None = None
+                 ) -> dict[str, np.ndarray] | None:
+        records, binding = self._collect(batch, variables, version, key, step)
         return self._project(records, binding)
 
-    def collect(self, batch, variables, version: int, key: jax.Array) -> list[EpisodeRecord]:
+    def collect(self, batch, variables, version: int, key: jax.Array, step: int | None = None
+                ) -> list[EpisodeRecord]:
         """Run every episode of this process's task rows under one binding of ``variables``; the records in
-        (task row, sample) order, thrown-out episodes left out."""
-        return self._collect(batch, variables, version, key)[0]
+        (task row, sample) order, thrown-out episodes left out. ``version`` is the committed update clock (each
+        action's ``policy_step``), ``step`` the attempted-work clock of the identities (default: ``version``)."""
+        return self._collect(batch, variables, version, key, step)[0]
 
     def project(self, records: list[EpisodeRecord]) -> dict[str, np.ndarray] | None:
         """The packed GRPO batch of one collection's records (this process's rows); None when no rank has a
@@ -197,18 +203,20 @@ class EpisodeRollout:
             raise ValueError("project needs the records of a collection; there are none")
         return self._project(records, records[0].origin)
 
-    def _collect(self, batch, variables, version: int, key: jax.Array) -> tuple[list[EpisodeRecord], Binding]:
+    def _collect(self, batch, variables, version: int, key: jax.Array, step: int | None
+                 ) -> tuple[list[EpisodeRecord], Binding]:
         tasks = _task_ids(batch)
         version = integer("version", version, at_least=0)
+        attempted = version if step is None else integer("step", step, at_least=version)
         devices = jax.local_device_count()
         if len(tasks) % devices:
             raise ValueError(f"{len(tasks)} task rows do not split over this process's {devices} devices")
-        self._meet_cohort(len(tasks), version, key)
+        self._meet_cohort(len(tasks), (version, attempted), key)
         host = collective_host(variables)
         policy = self.policy.bind(host)  # sampling is local: a host copy, bound once
         if self.journal is not None:
             self.journal.begin({
-                "tasks": tasks, "options": self.options, "clock": version,
+                "tasks": tasks, "options": self.options, "clock": [version, attempted],
                 "key": np.asarray(jax.random.key_data(key)).tolist(), "policy": policy_digest(host),
                 "topology": {"processes": jax.process_count(), "process": jax.process_index(), "devices": devices},
             })
@@ -218,7 +226,7 @@ class EpisodeRollout:
         everyone = jax.process_count() * len(tasks) * self.groups
         seeds = np.asarray(jax.random.randint(jax.random.fold_in(key, 0), (everyone,), 0, 2**31 - 1))
         slots = [_Slot(row * self.groups + sample,
-                       EpisodeId(task, version, sample, int(seeds[(first + row) * self.groups + sample])))
+                       EpisodeId(task, attempted, sample, int(seeds[(first + row) * self.groups + sample])))
                  for row, task in enumerate(tasks) for sample in range(self.groups)]
         current: list[_Slot | None] = [None]
         try:
@@ -253,11 +261,11 @@ class EpisodeRollout:
 
     # ----- the phases: each ends in a meeting of every rank ----------------------------------------
 
-    def _meet_cohort(self, rows: int, version: int, key: jax.Array) -> None:
-        """Every rank has as many task rows and the same options, clock and key, before any environment opens."""
+    def _meet_cohort(self, rows: int, clocks: tuple[int, int], key: jax.Array) -> None:
+        """Every rank has as many task rows and the same options, clocks and key, before any environment opens."""
         if jax.process_count() == 1:
             return
-        mine = {"rows": rows, "options": self.options, "version": version,
+        mine = {"rows": rows, "options": self.options, "clocks": list(clocks),
                 "key": np.asarray(jax.random.key_data(key)).tolist()}
         everyone = exchange(mine)
         for process, theirs in enumerate(everyone):

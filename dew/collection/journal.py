@@ -17,7 +17,7 @@ It cannot resume in the middle of a tool call.
 
 A collection is identified by its fingerprint: the task ids, the rollout's options
 (budgets, sampling controls, estimator), the topology (processes, this rank, local
-devices), the training clock, the key and a SHA-256 digest of this rank's policy weights
+devices), the training clocks (committed updates and attempted steps), the key and a SHA-256 digest of this rank's policy weights
 (read once per collection). The newest collection is resumed when the fingerprint
 matches; one at the same clock and key that differs in anything else is refused, naming
 what differs; one from another clock or key is discarded (the run moved on, or restored
@@ -132,9 +132,10 @@ class EpisodeJournal:
             recorded = json.loads(newest[1])
             if (recorded["clock"], recorded["key"]) == (fingerprint["clock"], fingerprint["key"]):
                 differs = [name for name in CHECKED if recorded.get(name) != fingerprint.get(name)]
+                updates, step = fingerprint["clock"]
                 raise JournalError(
-                    f"the episode journal {self.directory} holds a collection at the same training clock "
-                    f"{fingerprint['clock']} and key, made with different {', '.join(differs)} (recorded "
+                    f"the episode journal {self.directory} holds a collection at the same training clocks (update "
+                    f"{updates}, step {step}) and key, made with different {', '.join(differs)} (recorded "
                     f"{ {name: recorded.get(name) for name in differs} }, now { {name: fingerprint.get(name) for name in differs} }); "
                     "a resumed run must restore the same checkpoint, data and policy"
                 )

@@ -82,12 +82,14 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
 
     collected = []  # per rollout call: the records it produced
 
-    def rollout(batch, variables, version, key):
+    def rollout(batch, variables, version, key, step=None):
         start = len(records)
-        batch = episodes(batch, variables, version, key)
+        batch = episodes(batch, variables, version, key, step)
         projected.append(None if batch is None else {k: np.asarray(v).tolist() for k, v in batch.items()})
         collected.append(records[start:])
         return batch
+
+    rollout.takes_step = True  # the Trainer passes the attempted step on, as to EpisodeRollout itself
 
     trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(5), rollout=rollout, progress=False)
     state = trainer.fit(Dataset(train=task_rows, batch=4), steps=3)

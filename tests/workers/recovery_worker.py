@@ -47,9 +47,9 @@ def main(run_dir: str, out: str, pause: str | None) -> None:
                               journal=EpisodeJournal(run / "episodes"), record=records.append)
     collected = []
 
-    def rollout(batch, variables, version, key):
+    def rollout(batch, variables, version, key, step=None):
         start = len(records)
-        batch = episodes(batch, variables, version, key)
+        batch = episodes(batch, variables, version, key, step)
         collected.append([{"task": r.episode.id.task, "sample": r.episode.id.sample, "step": r.episode.id.step,
                            "tokens": [list(a.action.tokens) for a in r.actions],
                            "old": [list(a.old_log_probs) for a in r.actions],
@@ -57,6 +57,8 @@ def main(run_dir: str, out: str, pause: str | None) -> None:
                            "observations": [list(t.observation.context) for t in r.episode.transitions],
                            "reward": r.reward} for r in records[start:]])
         return batch
+
+    rollout.takes_step = True  # the Trainer passes the attempted step on, as to EpisodeRollout itself
 
     trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(11), rollout=rollout, progress=False,
                       output_dir=run / "checkpoints", checkpoint_every=1)
