@@ -156,7 +156,7 @@ class Trainer:
         return TrainState(
             params=params,
             opt_state=self.optimizer.init(params),
-            ema=None if decay is None else jax.tree.map(jnp.copy, params),
+            ema=None if decay is None else jax.tree.map(jnp.copy, self.objective.reference(params)),
             step=jnp.zeros((), jnp.int32),
             updates=jnp.zeros((), jnp.int32),
             key=run_key,
@@ -178,7 +178,7 @@ class Trainer:
         if decay is None or decay == 1.0:
             ema = state.ema  # none kept, or a frozen reference that must stay bit-identical
         else:
-            ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, state.ema, params)
+            ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, state.ema, self.objective.reference(params))
         return params, opt_state, ema
 
     def _update_fn(self, state: TrainState, batch) -> tuple[TrainState, dict]:

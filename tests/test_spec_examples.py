@@ -1,4 +1,8 @@
-"""The spec's code blocks run as written, after the TinyStories stand-in prelude."""
+"""The spec's code blocks run as written, after the TinyStories stand-in prelude (PPO's from a checkout)."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -26,6 +30,26 @@ def test_blocks_are_the_spec_verbatim():
     assert (BLOCKS / "dpo.py").read_text() == "\n".join(lines[start : end + 1]) + "\n"
     grpo = spec_block("from dew.objectives.rl import GRPOObjective, SampledRollout", ").fit(rl_data, steps=20")
     assert (BLOCKS / "grpo.py").read_text() == grpo
+    assert (BLOCKS / "ppo.py").read_text() == ppo_block()
+
+
+def ppo_block() -> str:
+    """The spec's PPO example: from its "import itertools" to its last assert."""
+    lines = SPEC.read_text().split("\n")
+    anchor = lines.index("from test_tool_episodes import ToolPolicy, Harness, verify, SAMPLING")
+    start = max(i for i in range(anchor) if lines[i] == "import itertools")
+    end = next(i for i in range(anchor, len(lines)) if lines[i].startswith("assert int(state.updates) == 2"))
+    return "\n".join(lines[start : end + 1]) + "\n"
+
+
+@pytest.mark.slow
+def test_the_ppo_block_runs_from_a_checkout_with_the_tests_on_the_path():
+    """The spec runs it with PYTHONPATH=src:tests; this checkout has no src/ layout, so the root and tests/."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, str(BLOCKS / "ppo.py")], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "updates 2" in result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +175,12 @@ def test_the_spec_import_paths_name_real_objects():
     assert facade.Session is sessions.Session
     for module in ("dew.inference", "dew.sampling"):
         importlib.import_module(module)
+
+
+@pytest.mark.slow
+def test_the_ppo_epochs_example_trains_four_updates_on_one_collection():
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "ppo_epochs.py")], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "epoch 4:" in result.stdout

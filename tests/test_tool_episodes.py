@@ -3,10 +3,12 @@
 ``ToolPolicy``, ``Harness``, ``verify`` and ``SAMPLING`` are the fixtures the spec's PPO
 example imports. The task: task t asks for the square of n = t % 3 + 1 (context
 ``[NUM(n)]``); the policy may call the tool (``[SQUARE, EOS]``), which answers with
-``[RESULT, NUM(n * n)]`` appended to the context, then answer ``[NUM(x), EOS]``;
+``[RESULT, NUM(n * n)]`` appended to the context (a second call ends the episode
+unanswered), then answer ``[NUM(x), EOS]``;
 ``verify`` gives 1 for the right square. ToolPolicy is a one-layer causal transformer
-over this 16-id vocabulary (the spec describes a bigram policy; any small decoder that
-TextGeneration drives serves).
+over this 16-id vocabulary whose logits carry a fixed bias towards EOS, so actions stay
+short (masked truncations would otherwise let training escape negative advantages) (the spec describes a bigram policy; a bigram cannot copy
+the tool's result from two ids back, and any small decoder TextGeneration drives serves).
 """
 
 import asyncio
@@ -14,6 +16,7 @@ import concurrent.futures
 import itertools
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +24,11 @@ import optax
 import pytest
 from conftest import ScriptedPolicy
 
-from dew import Trainer, models
+from dew import Trainer
 from dew.collection.episodes import EpisodeCancelled, EpisodeFailure
 from dew.data import Dataset
 from dew.inference import TextGeneration
+from dew.models.transformer import CausalTransformer
 from dew.objectives.rl import EpisodeRollout, GRPOObjective
 from dew.records.episode_sessions import session_of
 from dew.records.episodes import Environment, EpisodeStatus, Observation
@@ -39,9 +43,23 @@ def NUM(n: int) -> int:
     return 4 + n
 
 
+class EOSLeaning(CausalTransformer):
+    """A causal transformer whose logits carry a fixed bias towards EOS: actions stay short."""
+
+    eos_bias: float = 3.0
+
+    @nn.compact
+    def __call__(self, tokens, *args, hidden=False, **kwargs):
+        out = super().__call__(tokens, *args, hidden=hidden, **kwargs)
+        if hidden:
+            return out
+        bias = jnp.zeros(self.vocab_size).at[EOS].set(self.eos_bias)  # fixed, so training cannot unlearn EOS
+        return (out[0] + bias, out[1]) if isinstance(out, tuple) else out + bias
+
+
 def ToolPolicy():
-    return models.build("causal_transformer", vocab_size=VOCAB, emb_features=16, num_layers=1, num_heads=2,
-                        mlp_features=32, max_seq_len=16)
+    """The square task's policy: a one-layer decoder over the 16 ids, leaning to EOS (about 57% at the start)."""
+    return EOSLeaning(vocab_size=VOCAB, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=16)
 
 
 class SquareEnvironment(Environment):
@@ -70,6 +88,8 @@ class SquareEnvironment(Environment):
         if self.observation is not None:
             return self.observation
         said = action.tokens[:-1]
+        if said == (SQUARE,) and RESULT in action.context:  # the result is already there: the episode ends, unanswered
+            return Observation((), EpisodeStatus.COMPLETED, "called the tool again")
         if said == (SQUARE,):
             return Observation(action.context + action.tokens + (RESULT, NUM(self.n * self.n)))
         return Observation((), EpisodeStatus.COMPLETED, f"answered {said}")
@@ -176,10 +196,9 @@ def test_limits_truncate_without_reaching_the_tool():
     long = rollout(Scripted(square_then_answer), max_prompt_tokens=4).collect(tasks(0), None, 0, jax.random.key(0))
     assert all(r.status is EpisodeStatus.TRUNCATED and len(r.actions) == 1 and "max_prompt_tokens=4" in r.detail
                for r in long)
-    turns = rollout(Scripted(lambda n, c: [SQUARE]), max_turns=2, max_prompt_tokens=16).collect(
-        tasks(0), None, 0, jax.random.key(0))
-    assert all(len(r.actions) == 2 and "max_turns=2" in r.detail for r in turns)
-    assert rollout(Scripted(lambda n, c: [SQUARE]), max_turns=2, max_prompt_tokens=16).project(turns) is None
+    turns = rollout(Scripted(lambda n, c: [SQUARE]), max_turns=1).collect(tasks(0), None, 0, jax.random.key(0))
+    assert all(len(r.actions) == 1 and "max_turns=1" in r.detail for r in turns)
+    assert rollout(Scripted(lambda n, c: [SQUARE]), max_turns=1).project(turns) is None
 
 
 @pytest.mark.parametrize("error, kind", [(RuntimeError("tool crashed"), EpisodeFailure),

@@ -196,6 +196,12 @@ class EpisodeRollout:
         action's ``policy_step``), ``step`` the attempted-work clock of the identities (default: ``version``)."""
         return self._collect(batch, variables, version, key, step)[0]
 
+    def gather(self, batch, variables, version: int, key: jax.Array, step: int | None = None
+               ) -> tuple[list[EpisodeRecord], dict[str, np.ndarray] | None]:
+        """``collect`` and its projection at once: (records, batch or None), for a rollout that adds targets."""
+        records, binding = self._collect(batch, variables, version, key, step)
+        return records, self._project(records, binding)
+
     def project(self, records: list[EpisodeRecord]) -> dict[str, np.ndarray] | None:
         """The packed GRPO batch of one collection's records (this process's rows); None when no rank has a
         trainable episode. Records of separately bound collections are refused."""
@@ -326,7 +332,7 @@ class EpisodeRollout:
                 draws = [entry.action for entry in recorded]
             else:
                 draws = self._draw(slots[block * size:(block + 1) * size], members, policy,
-                                   jax.random.fold_in(key, global_block), binding.version)
+                                   jax.random.fold_in(key, global_block), binding.version, current)
                 if journal is not None:
                     journal.pending(turn, {slot.row: draw for slot, draw in zip(members, draws)})
                 recorded = [None] * len(members)
@@ -335,7 +341,7 @@ class EpisodeRollout:
                 self._act(slot, draw, turn, entry)
         return any(slot.running for slot in slots)
 
-    def _draw(self, block: list[_Slot], members: list[_Slot], policy, key: jax.Array, version: int
+    def _draw(self, block: list[_Slot], members: list[_Slot], policy, key: jax.Array, version: int, current
               ) -> list[ActionRecord]:
         """One policy call over the block's rows (inert prompts where an episode ended); the live slots' draws."""
         live = {id(slot) for slot in members}
@@ -344,6 +350,7 @@ class EpisodeRollout:
         draws = []
         for row, slot in enumerate(block):
             if id(slot) in live:
+                current[0] = slot  # a refused draw names its own episode
                 count = int(generation.lengths[row])
                 tokens, eos = generation.ids[row, :count].tolist(), bool(generation.eos[row])
                 old = generation.old_log_probs[row, :count].tolist()

@@ -22,6 +22,8 @@ One module serves training and generation:
 - ``logits_at=[batch, n]`` (in any of these forms) returns the logits of those
   positions only, ``[batch, n, vocab]``: a prefill needs the last prompt position's, and
   the output product over the others would be a quarter of its work on a small model.
+- ``hidden=True`` (packed, no cache) returns the final normed hidden states
+  ``[batch, length, emb_features]`` instead of logits, for a head of one's own (a critic).
 
 Options for the families: grouped-query attention (``num_kv_heads``), an explicit
 ``head_dim``, RoPE theta, RMSNorm epsilon, SwiGLU or GELU MLP, Qwen3's QK-norm,
@@ -305,7 +307,7 @@ class CausalTransformer(nn.Module):
     @nn.compact
     def __call__(
         self, tokens, segment_ids=None, positions=None, cache: KVCache | None = None, lengths=None, rows=None,
-        logits_at=None,
+        logits_at=None, hidden: bool = False,
     ):
         batch, length = tokens.shape
         embed = nn.Embed(
@@ -335,6 +337,10 @@ class CausalTransformer(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         x = nn.RMSNorm(epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
+        if hidden:  # the final normed hidden states, for a head of one's own (ValueHead); no cache
+            if cache is not None:
+                raise ValueError("hidden=True returns hidden states of a packed forward pass, not of a cached one")
+            return x
         if self.tie_embeddings and self.matmul_dtype is None:
             logits = embed.attend(x)
         elif self.tie_embeddings:

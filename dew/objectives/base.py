@@ -4,7 +4,8 @@ An objective owns its model and says:
 
 - ``init(key)``: the full Flax variables mapping to start from (``pretrained`` when given);
 - ``ema_decay``: ``None`` (no averaged copy), a float in (0, 1) (a moving average) or
-  exactly 1 (a frozen copy of the start: the reference of DPO, GRPO and PPO);
+  exactly 1 (a frozen copy of the start: the reference of DPO, GRPO and PPO), of what
+  ``reference(variables)`` picks (all of them by default; PPO's policy subtree);
 - ``validate(batch)``: host-side checks of a numpy batch, raising a clear error;
 - ``loss(variables, ema, batch, key) -> (loss, metrics)``: a pure function the Trainer jits;
 - ``evaluate(variables, batch) -> sums`` and ``summarize(totals) -> metrics``: validation
@@ -39,6 +40,10 @@ class Objective:
         if self.pretrained is not None:
             return self.pretrained
         return self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+
+    def reference(self, variables: Variables) -> Variables:
+        """The part of the variables the EMA slot keeps (all of them; PPO keeps only the policy subtree)."""
+        return variables
 
     def validate(self, batch: Mapping[str, np.ndarray]) -> None:
         """Check a host batch before it reaches the compiled update."""
