@@ -279,3 +279,22 @@ def test_ppo_raises_the_final_answer_reward_on_the_square_task():
     after = final_answer_success(ppo, jax.device_get(state.params), jax.random.key(100))
     print(f"final-answer success {before:.3f} -> {after:.3f} after {int(state.updates)} updates")
     assert before < 0.05 and after > before + 0.15
+
+
+def test_the_objective_loss_is_the_verl_composite_of_its_parts_on_a_packed_batch():
+    ppo = objective(beta=0.03)
+    variables = ppo.init(jax.random.key(0))
+    batch = {k: jnp.asarray(v) for k, v in prepared(ppo, variables).items()}
+    batch["old_log_probs"] = batch["old_log_probs"] + 0.05 * batch["response_mask"]  # some ratios off 1
+    reference = jax.tree.map(lambda x: x * 1.01, ppo.reference(variables))
+    loss, metrics = ppo.loss(variables, reference, batch, jax.random.key(0))
+    mask = (batch["response_mask"][:, 1:] != 0).astype(jnp.float32)
+    current = ppo.packed_log_probs(variables["policy"], batch)[:, 1:]
+    per_token, _ = losses.ppo_surrogate(current, batch["old_log_probs"][:, 1:], batch["advantages"][:, 1:], mask,
+                                        0.2, 0.2, 3.0)
+    pg = losses.aggregate(per_token, mask, "token-mean")
+    kl = losses.aggregate(losses.k3_kl(current, ppo.packed_log_probs(reference, batch)[:, 1:]), mask, "token-mean")
+    vf, _ = clipped_value_loss(ppo.values(variables["critic"], batch)[:, 1:], batch["returns"][:, 1:],
+                               batch["old_values"][:, 1:], mask, 0.2)
+    np.testing.assert_allclose(float(loss), float(pg + 0.03 * kl + 0.5 * vf), rtol=1e-6)
+    assert float(metrics["value_loss"]) == pytest.approx(float(vf), rel=1e-6) and float(kl) > 0
