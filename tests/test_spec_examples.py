@@ -1,5 +1,6 @@
 """The spec's code blocks run as written, after the TinyStories stand-in prelude (PPO's from a checkout)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +32,24 @@ def test_blocks_are_the_spec_verbatim():
     grpo = spec_block("from dew.objectives.rl import GRPOObjective, SampledRollout", ").fit(rl_data, steps=20")
     assert (BLOCKS / "grpo.py").read_text() == grpo
     assert (BLOCKS / "ppo.py").read_text() == ppo_block()
+    assert (BLOCKS / "flow_grpo.py").read_text() == flow_grpo_block()
+
+
+def flow_grpo_block() -> str:
+    """The spec's Flow-GRPO example: from its "import itertools" to its print."""
+    lines = SPEC.read_text().split("\n")
+    anchor = lines.index("from dew.objectives.rl import FlowGRPOObjective, FlowRollout")
+    start = max(i for i in range(anchor) if lines[i] == "import itertools")
+    end = next(i for i in range(anchor, len(lines)) if lines[i] == "print(int(state.updates))")
+    return "\n".join(lines[start : end + 1]) + "\n"
+
+
+def test_the_flow_grpo_block_prints_two_updates():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, str(BLOCKS / "flow_grpo.py")], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1].endswith("2"), result.stdout[-500:]
 
 
 def ppo_block() -> str:
@@ -163,7 +182,8 @@ def test_the_spec_import_paths_name_real_objects():
     spec_names = {"DPOObjective": None, "GRPOObjective": None, "SampledRollout": None, "RolloutScheduler": scheduler,
                   "SchedulerRecord": scheduler, "PromptSource": sources, "EnvironmentSource": sources,
                   "EpisodeId": episodes, "Observation": episodes, "Action": episodes, "Transition": episodes,
-                  "Episode": episodes, "Environment": episodes, "task_ids": tasks, "prompt_tasks": tasks}
+                  "Episode": episodes, "Environment": episodes, "task_ids": tasks, "prompt_tasks": tasks,
+                  "FlowGRPOObjective": None, "FlowRollout": None}
     for name, home in spec_names.items():
         assert name in rl.__all__ and hasattr(rl, name), name
         if home is not None:
@@ -175,6 +195,11 @@ def test_the_spec_import_paths_name_real_objects():
     assert facade.Session is sessions.Session
     for module in ("dew.inference", "dew.sampling"):
         importlib.import_module(module)
+    import dew
+
+    for name in ("Field", "InputSpec", "Trainer", "models", "presets"):
+        assert hasattr(dew, name), name
+    assert hasattr(dew.models, "SimpleDiT") and hasattr(dew.presets, "Flow")
 
 
 @pytest.mark.slow
@@ -184,3 +209,14 @@ def test_the_ppo_epochs_example_trains_four_updates_on_one_collection():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "epoch 4:" in result.stdout
+
+
+def test_the_flow_grpo_brightness_example_writes_its_table_picture_and_figures(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "flow_grpo_brightness.py"), "--updates", "3",
+                             "--seeds", "0", "--out", str(tmp_path)], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "flow_grpo_brightness.json").read_text())
+    assert row["updates"] == 3 and set(row) >= {"ode_before", "ode_after", "sde_before", "sde_after"}
+    assert (tmp_path / "flow_grpo_brightness.png").stat().st_size > 1000

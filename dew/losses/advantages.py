@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ESTIMATORS = ("group", "mean", "rloo")
 
@@ -44,3 +45,23 @@ def group_advantages(rewards: jax.Array, groups: jax.Array, estimator: str, epsi
         return jnp.where(single, rewards, rewards - mean)
     others = jnp.where(single, 1.0, n - 1)
     return jnp.where(single, rewards, rewards * n / others - mean * n / others)
+
+
+def population_group_advantages(scores, groups: int, epsilon: float = 1e-4):
+    """Flow-GRPO's per-prompt advantages on the host, in float64 (yifan123/flow_grpo 54809b5,
+    flow_grpo/stat_tracking.py PerPromptStatTracker.update, type "grpo").
+
+    scores: [rows] float64, rows a multiple of ``groups``, each run of ``groups`` rows one
+    prompt's group. Returns [rows] float64 ``(r - mean) / (std + epsilon)`` with the population
+    std (ddof 0). A group whose scores are all equal gets exactly 0 (its mean can differ from
+    the scores by an ulp, which would otherwise leave a 1e-13 advantage behind).
+    """
+    scores = np.asarray(scores, np.float64)
+    if scores.ndim != 1 or scores.size % groups:
+        raise ValueError(f"scores must be [rows] with rows a multiple of groups={groups}, got shape {scores.shape}")
+    grouped = scores.reshape(-1, groups)
+    mean = grouped.mean(axis=1, keepdims=True)
+    std = grouped.std(axis=1, keepdims=True)
+    advantages = (grouped - mean) / (std + epsilon)
+    advantages[np.ptp(grouped, axis=1) == 0] = 0.0
+    return advantages.reshape(-1)

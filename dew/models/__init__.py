@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dew.models.dit import SimpleDiT, TokenEncoder
 from dew.models.pretrained import Pretrained, load_pretrained
 from dew.models.transformer import CausalTransformer, KVCache, init_cache, validate_config
 
@@ -37,4 +38,5 @@ def _causal_transformer(**config) -> CausalTransformer:
 
 register("causal_transformer", _causal_transformer)
 
-__all__ = ["CausalTransformer", "KVCache", "Pretrained", "build", "init_cache", "load_pretrained", "register"]
+__all__ = ["CausalTransformer", "KVCache", "Pretrained", "SimpleDiT", "TokenEncoder", "build", "init_cache",
+           "load_pretrained", "register"]
