@@ -6,7 +6,10 @@
 sft-demo`` trains the tiny built-in story decoder in this process and prints the
 validation loss before and after. ``dew-ray serve`` serves a decoder (a Hugging Face
 checkpoint, or the story decoder after a short training) through the native
-continuous-batching server's OpenAI-compatible HTTP front.
+continuous-batching server's OpenAI-compatible HTTP front. ``dew-ray sft``, ``dew-ray dpo``
+and ``dew-ray grpo`` train one stage in this process on a Hugging Face model directory and a
+data file, as TRL's CLI does (:mod:`dew.recipes.stage_files`); ``dew-ray chain`` runs a chain
+of them on Ray (:mod:`dew_ray.pipelines.chain`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import sys
 import threading
 import time
+from pathlib import Path
 
 
 def sft_demo(args: argparse.Namespace) -> int:
@@ -128,6 +132,41 @@ def rlvr(args: argparse.Namespace) -> int:
     return 0
 
 
+def stage(args: argparse.Namespace) -> int:
+    from dew.config import load_config
+    from dew.recipes.stage_files import StageRun, run_stage
+
+    overrides = list(args.set)
+    for name in ("model", "data", "output_dir", "steps"):
+        if getattr(args, name) is not None:
+            overrides.append(f"{name}={getattr(args, name)}")
+    if args.output_dir is None and args.config is None and not any(o.startswith("output_dir=") for o in overrides):
+        overrides.append(time.strftime(f"output_dir=runs/{args.kind}-%Y%m%d-%H%M%S"))
+    try:
+        config = load_config(StageRun, args.config, overrides, table=args.kind)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"dew-ray {args.kind}: {config.steps} steps of {config.batch} rows on {config.model} from {config.data}; "
+          f"writing {config.output_dir}", flush=True)
+    started = time.perf_counter()
+    try:
+        state, policy = run_stage(config, args.kind)
+    except (ValueError, OSError, TypeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"{args.kind}: {int(state.updates)} updates in {time.perf_counter() - started:.1f} s; checkpoints and "
+          f"metrics.jsonl in {Path(config.output_dir) / args.kind}, the policy in {policy}")
+    return 0
+
+
+def chain(args: argparse.Namespace) -> int:
+    from dew_ray.pipelines import chain as pipeline
+
+    return pipeline.main(["--config", args.config, *(f"--set={o}" for o in args.set),
+                          *(["--address", args.address] if args.address else [])])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dew-ray", description="Post-training for language models, in JAX on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -163,6 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     served.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     served.add_argument("--train-steps", type=int, default=200, help="training steps for the built-in story decoder")
     served.set_defaults(run=serve)
+    for kind, what in (("sft", "supervised fine-tuning on conversations"), ("dpo", "DPO on preference pairs"),
+                       ("grpo", "GRPO on prompts with a reward")):
+        command = commands.add_parser(kind, help=f"{what}: one stage on a Hugging Face model directory")
+        command.add_argument("--model", help="the Hugging Face model directory (config field 'model')")
+        command.add_argument("--data", help="a Parquet or JSONL file or a datasets directory (config field 'data')")
+        command.add_argument("--output-dir", default=None, help="checkpoints, metrics.jsonl and policy/ "
+                                                                 "(default: runs/<command>-<time>)")
+        command.add_argument("--steps", type=int, default=None)
+        command.add_argument("--config", help=f"a TOML file of StageRun fields (flat or under [{kind}])")
+        command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one field")
+        command.set_defaults(run=stage, kind=kind)
+    chained = commands.add_parser("chain", help="SFT -> DPO -> GRPO stages on a (local) Ray cluster")
+    chained.add_argument("--config", required=True, help="a TOML file of ChainConfig fields with [[stages]] tables")
+    chained.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one field")
+    chained.add_argument("--address", default=None, help="a running Ray cluster (default: RAY_ADDRESS or a local one)")
+    chained.set_defaults(run=chain)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -10,6 +10,12 @@ token is completion; dew never guesses a boundary from text. ``load(batch=B)`` g
 - ``completion_mask``: [B, 2, S] int32, 0 on prompt tokens and padding.
 
 ``S`` is ``seq_len``, the full row width; a sequence longer than it raises.
+
+With ``tokenizer=`` a record may instead hold text in TRL's standard explicit-prompt
+layout, ``prompt``, ``chosen`` and ``rejected`` strings: each side becomes the prompt's ids
+followed by the answer's (no special tokens added) and the tokenizer's EOS, if it has one,
+with the mask on the answer and EOS. A text pair without a ``prompt`` (TRL's implicit
+layout) is refused, since its boundary would have to be guessed.
 """
 
 from __future__ import annotations
@@ -50,8 +56,10 @@ class PreferencePairs(PartitionedLoader):
         seq_len: int,
         pad_id: int = 0,
         loading: Loading | None = None,
+        tokenizer=None,
     ):
         integer("PreferencePairs: seq_len", seq_len, at_least=2)
+        self.tokenizer = tokenizer
         integer("PreferencePairs: pad_id", pad_id, at_least=0)
         self.seq_len, self.pad_id = seq_len, pad_id
         super().__init__(read_records(records, path, self.owner), loading)
@@ -62,12 +70,14 @@ class PreferencePairs(PartitionedLoader):
         for index, side in enumerate(SIDES):
             if side not in record.fields:
                 raise record.error(side, f"missing; a preference pair needs {' and '.join(SIDES)}")
-            sequence = token_ids(record, side, record.fields[side])
+            if isinstance(record.fields[side], str):
+                sequence, weights = self.text_side(record, side)
+            else:
+                sequence, weights = token_ids(record, side, record.fields[side]), record.fields.get(f"{side}_mask")
             if not sequence:
                 raise record.error(side, "is empty")
             if len(sequence) > self.seq_len:
                 raise record.error(side, f"has {len(sequence)} ids, more than seq_len={self.seq_len}")
-            weights = record.fields.get(f"{side}_mask")
             if weights is None:
                 weights = [1] * len(sequence)  # no mask: the whole sequence is completion
             weights = list(weights.tolist() if isinstance(weights, np.ndarray) else weights)
@@ -82,3 +92,17 @@ class PreferencePairs(PartitionedLoader):
             ids[index, : len(sequence)] = sequence
             mask[index, : len(sequence)] = weights
         return {"input_ids": ids, "completion_mask": mask}
+
+    def text_side(self, record: Record, side: str) -> tuple[list[int], list[int]]:
+        """The ids and mask of one text side: prompt ids, then the answer's ids and EOS (masked 1)."""
+        if self.tokenizer is None:
+            raise record.error(side, "is text, so PreferencePairs needs a tokenizer (tokenizer=...)")
+        prompt = record.fields.get("prompt")
+        if not isinstance(prompt, str):
+            raise record.error("prompt", "a text pair needs a prompt string (TRL's explicit-prompt layout); "
+                               "dew never guesses where the prompt ends")
+        context = list(self.tokenizer.encode(prompt))
+        answer = list(self.tokenizer.encode(record.fields[side], add_special_tokens=False))
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        answer += [] if eos is None else [int(eos)]
+        return context + answer, [0] * len(context) + [1] * len(answer)

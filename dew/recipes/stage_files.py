@@ -1,0 +1,166 @@
+"""Stages from files: the configuration of ``dew-ray sft|dpo|grpo`` and of the Ray chain's stages.
+
+A stage on the command line reads a Hugging Face model directory (config.json, safetensors
+and tokenizer files, as ``Pretrained.save`` and ``save_pretrained`` write them) and a data
+file (Parquet, JSONL, or a ``datasets`` directory saved with ``save_to_disk``):
+
+- ``sft``: conversations, a ``messages`` column (``column=``) or verl's ``prompt``, rendered
+  with the tokenizer's chat template (:class:`~dew.data.ChatMessages`, rows of seq_len + 1 ids);
+- ``dpo``: pairs, token ids with masks or TRL's explicit-prompt text layout
+  (``prompt``/``chosen``/``rejected``; :class:`~dew.data.PreferencePairs`, width seq_len);
+- ``grpo``: prompts (text, chat messages or ids) with ``data_source``/``ground_truth``/
+  ``extra_info`` (verl's layout too; :class:`~dew.data.Prompts`), scored by ``reward``:
+  ``"math"`` (:class:`~dew.sandbox.MathReward` on the decoded completion) or
+  ``"module:function"``, any importable function with dew's reward signature.
+
+Unlike :class:`~dew.recipes.chain.Recipe`, these runs hold the tokenizer, so a GRPO reward
+reads decoded text and the tokenizer's EOS ends a completion.
+
+:class:`StageOptions` are one stage's fields; :class:`StageRun` adds the model, output
+directory, batch, learning rate and seed of a one-stage command; the Ray chain's
+:class:`~dew_ray.pipelines.chain.ChainConfig` holds a list of :class:`StageSpec`.
+:func:`run_stage` trains a StageRun in this process and writes ``<output_dir>/<kind>/``
+(checkpoints and ``metrics.jsonl``; a rerun restores and trains on to ``steps``) and
+``<output_dir>/policy/`` (the final policy as Hugging Face safetensors with the tokenizer).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import jax
+import optax
+from pydantic import Field
+
+from dew.config import Config
+from dew.data.chat import ChatMessages
+from dew.data.preference import PreferencePairs
+from dew.data.prompts import Prompts
+from dew.models.pretrained import Pretrained, load_pretrained
+from dew.recipes.chain import Stage, stage_trainer
+from dew.sandbox.rewards import MathReward
+from dew.trainer import TrainState
+
+KIND = Literal["sft", "dpo", "grpo"]
+
+
+class StageOptions(Config):
+    """One stage's data and options (see the module docstring).
+
+    data: the data file or directory; steps: batches to train; seq_len: SFT's predicted
+    positions (rows of seq_len + 1 ids) or DPO's pair width; column: SFT's conversation column;
+    max_prompt_len: GRPO's prompt width (a longer prompt keeps its end); beta: DPO's or GRPO's
+    (None: the objective's default); reward, groups, max_new_tokens, top_k, top_p: GRPO's.
+    """
+
+    data: str
+    steps: int = Field(ge=1)
+    seq_len: int = Field(default=255, ge=2)
+    column: str = "messages"
+    max_prompt_len: int = Field(default=64, ge=1)
+    beta: float | None = Field(default=None, ge=0)
+    reward: str | None = None
+    groups: int = Field(default=4, ge=2)
+    max_new_tokens: int = Field(default=16, ge=1)
+    top_k: int | None = Field(default=None, ge=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    log_every: int | None = Field(default=None, ge=1)
+
+
+class StageSpec(StageOptions):
+    """A stage of a chain file: its directory name and kind beside its options."""
+
+    name: str
+    kind: KIND
+
+
+class StageRun(StageOptions):
+    """``dew-ray sft|dpo|grpo``: one stage on a model directory.
+
+    model: the Hugging Face model directory; tokenizer: its tokenizer (default: the model
+    directory's); output_dir: where checkpoints, metrics and the final policy go.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    output_dir: str = "runs/stage"
+    batch: int = Field(default=8, ge=1)
+    learning_rate: float = Field(default=1e-5, gt=0)
+    seed: int = 0
+
+
+def load_reward(name: str | None) -> Callable[[str, str, str, str], float]:
+    """``"math"`` or an importable ``"module:function"`` with dew's reward signature."""
+    if name is None:
+        raise ValueError("a grpo stage needs config field 'reward': \"math\" or \"module:function\"")
+    if name == "math":
+        return MathReward()
+    module, sep, attribute = name.partition(":")
+    if not sep or not module or not attribute:
+        raise ValueError(f"config field 'reward' must be \"math\" or \"module:function\", got {name!r}")
+    try:
+        reward = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"config field 'reward': cannot import {name!r} ({error})") from None
+    if not callable(reward):
+        raise ValueError(f"config field 'reward': {name!r} is not callable")
+    return reward
+
+
+def stage_of(options: StageOptions, kind: str, name: str, tokenizer) -> Stage:
+    """The Stage a config describes, its loader reading ``options.data`` with ``tokenizer``."""
+    path = Path(options.data).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"config field 'data': {path} does not exist")
+    common = dict(steps=options.steps, log_every=options.log_every)
+    if kind == "sft":
+        return Stage(name, ChatMessages(tokenizer, path, seq_len=options.seq_len, column=options.column), **common)
+    beta = {"beta": options.beta} if options.beta is not None else {}
+    if kind == "dpo":
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return Stage(name, PreferencePairs(path=path, seq_len=options.seq_len, tokenizer=tokenizer, pad_id=int(pad)),
+                     **common, **beta)
+    sample = {key: value for key, value in (("top_k", options.top_k), ("top_p", options.top_p)) if value is not None}
+    return Stage(name, Prompts(path=path, tokenizer=tokenizer, max_prompt_len=options.max_prompt_len), **common,
+                 **beta, reward=load_reward(options.reward), groups=options.groups,
+                 max_new_tokens=options.max_new_tokens, sample=sample)
+
+
+def model_tokenizer(model: str, tokenizer: str | None):
+    """The tokenizer of the model directory (or of ``tokenizer``, a directory or Hub name)."""
+    from transformers import AutoTokenizer  # transformers is slow to import; only file-based runs need it
+
+    return AutoTokenizer.from_pretrained(tokenizer or model)
+
+
+def decoding(tokenizer) -> dict:
+    """The decode and eos_id a file-based GRPO stage samples with."""
+    return {"decode": lambda ids: tokenizer.decode(ids, skip_special_tokens=True), "eos_id": tokenizer.eos_token_id}
+
+
+def export_policy(model_dir: str | Path, params, directory: str | Path, tokenizer) -> Path:
+    """The policy ``params`` as Hugging Face safetensors (model_dir's architecture) with the tokenizer."""
+    directory = Path(directory)
+    Pretrained.from_directory(model_dir).save(params, directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def run_stage(config: StageRun, kind: str, progress: bool = True) -> tuple[TrainState, Path]:
+    """Train one stage in this process (see the module docstring); returns its final state and policy directory."""
+    tokenizer = model_tokenizer(config.model, config.tokenizer)
+    model, start = load_pretrained(config.model)
+    stage = stage_of(config, kind, kind, tokenizer)
+    output = Path(config.output_dir).expanduser()
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "config.json").write_text(json.dumps({"kind": kind, **config.model_dump()}, indent=2))
+    trainer, data = stage_trainer(model, optax.adamw(config.learning_rate), jax.random.key(config.seed),
+                                  output / kind, config.batch, stage, start, progress,
+                                  **(decoding(tokenizer) if kind == "grpo" else {}))
+    state = trainer.fit(data, steps=config.steps, log_every=config.log_every or max(1, config.steps // 10))
+    return state, export_policy(config.model, jax.tree.map(lambda x: x.addressable_data(0), state.params),
+                                output / "policy", tokenizer)
