@@ -6,6 +6,7 @@ has after downloading a model, made offline. Each stage runs as a real ``dew-ray
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -54,7 +55,7 @@ def files(tmp_path_factory):
 
 
 def dew_ray(*args, timeout=600):
-    env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-m", "dew_ray.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 

@@ -63,17 +63,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import ray
 from flax import serialization
-from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 from tqdm import tqdm
 
 from dew.data.verifiable import task_tokenizer
@@ -106,46 +103,12 @@ from dew_ray.pipelines.rlvr_job import (
     warm_start_task,
 )
 from dew_ray.pipelines.rlvr_report import plot, print_summary
+from dew_ray.pipelines.run_dirs import PreflightError, resolve_run_dir, start_ray, writable
 from dew_ray.placement import RolePlacement
 
 VERL_ROWS = "verl_rows"  # the run directory's folder of verl AgentLoopOutput rows (config verl_rows)
 
 __all__ = ["PreflightError", "RLVRPipeline", "RLVRPipelineConfig", "load_config", "main", "resolve_run_dir", "run"]
-
-
-class PreflightError(RuntimeError):
-    """A check made before any work starts failed; the message names the fix."""
-
-
-def submitted_job() -> bool:
-    """Whether this driver runs as a submitted Ray job (``ray job submit``): the job supervisor sets its config."""
-    return RAY_JOB_CONFIG_JSON_ENV_VAR in os.environ
-
-
-def resolve_run_dir(run_dir: str) -> Path:
-    """The run directory as the absolute path every actor is given (see the module docstring)."""
-    if "://" in run_dir:
-        raise PreflightError(f"config field 'run_dir' is a URI ({run_dir!r}); the pipeline writes its run directory with "
-                             "local file I/O: give an absolute path on a filesystem every node reaches")
-    path = Path(run_dir).expanduser()
-    if not path.is_absolute() and submitted_job():
-        raise PreflightError(
-            f"config field 'run_dir' is relative ({run_dir!r}) and this driver runs as a submitted Ray job, inside a "
-            f"packaged copy of the working directory ({os.getcwd()}) that is deleted with the Ray session: pass an "
-            f"absolute path every node reaches, for example --set run_dir=$PWD/{run_dir} on a one-machine cluster "
-            "or a path on a shared filesystem")
-    return path.resolve()
-
-
-def _writable(run_dir: Path) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".dew-write-probe"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as error:
-        raise PreflightError(f"the run directory {run_dir} is not writable ({error}); set run_dir to a directory you "
-                             "can write") from None
 
 
 def check_sandbox(runner: str):
@@ -164,16 +127,6 @@ def check_sandbox(runner: str):
 def describe_runner(runner) -> str:
     """Which sandbox runs the code tasks, for the first lines a run prints."""
     return runner.describe() if isinstance(runner, BwrapRunner) else "ProcessRunner (no isolation: trusted code only)"
-
-
-def _excludes(run_dir: Path) -> list[str]:
-    """What a cluster this driver starts leaves out of the working directory it packages for the actors."""
-    excludes = ["/runs/"]
-    try:
-        inside = run_dir.relative_to(Path.cwd())
-    except ValueError:
-        return excludes
-    return excludes + [f"/{inside.as_posix()}/"]
 
 
 class RLVRPipeline:
@@ -204,7 +157,7 @@ class RLVRPipeline:
 
         Returns which sandbox runs the code tasks (``start`` runs this first when nobody did).
         """
-        _writable(self.run_dir)
+        writable(self.run_dir)
         if self.config.engine == "vllm" and engine_python("vllm") is None:
             raise PreflightError(f"engine=vllm needs the vLLM engine environment ({engine_dir('vllm')}), which is not "
                                  "built: run `uv run python tools/engine_env.py vllm` (a few minutes, once)")
@@ -221,14 +174,7 @@ class RLVRPipeline:
             self.preflight()
         demand = config.cpu_demand()
         if not ray.is_initialized():
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster of this run only
-            address = self.address or os.environ.get("RAY_ADDRESS")
-            # A local cluster gets as many logical CPUs as the run reserves (at least the machine's cores):
-            # they are scheduling tokens, and the roles share the cores as any processes do.
-            cpus = None if address else max(os.cpu_count() or 1, math.ceil(sum(demand.values())))
-            runtime_env = None if address else {"excludes": _excludes(self.run_dir)}
-            ray.init(address=address, num_cpus=cpus, include_dashboard=False if address is None else None,
-                     log_to_driver=False, configure_logging=False, runtime_env=runtime_env)
+            start_ray(self.address, self.run_dir, sum(demand.values()))
             self._started_ray = True
         available = ray.cluster_resources().get("CPU", 0)
         if sum(demand.values()) > available:

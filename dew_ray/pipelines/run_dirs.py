@@ -1,0 +1,76 @@
+"""What every pipeline driver does before its actors start: the run directory and the local Ray cluster.
+
+``resolve_run_dir`` gives the run directory as the absolute path every actor is given: a
+relative one resolves against the driver's working directory, a submitted job (``ray job
+submit``, whose driver runs in a packaged copy of the working directory that dies with the
+session) must give an absolute path every node reaches, and a URI is refused (the pipelines
+write with local file I/O). ``writable`` checks it can be written; ``start_ray`` starts the
+local cluster of one run (token authentication off, ``runs/`` and the run directory left out
+of the packaged working directory) unless ``address`` or ``RAY_ADDRESS`` names a cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import ray
+from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+
+class PreflightError(RuntimeError):
+    """A check made before any work starts failed; the message names the fix."""
+
+
+def submitted_job() -> bool:
+    """Whether this driver runs as a submitted Ray job (``ray job submit``): the job supervisor sets its config."""
+    return RAY_JOB_CONFIG_JSON_ENV_VAR in os.environ
+
+
+def resolve_run_dir(run_dir: str) -> Path:
+    """The run directory as the absolute path every actor is given (see the module docstring)."""
+    if "://" in run_dir:
+        raise PreflightError(f"config field 'run_dir' is a URI ({run_dir!r}); the pipeline writes its run directory with "
+                             "local file I/O: give an absolute path on a filesystem every node reaches")
+    path = Path(run_dir).expanduser()
+    if not path.is_absolute() and submitted_job():
+        raise PreflightError(
+            f"config field 'run_dir' is relative ({run_dir!r}) and this driver runs as a submitted Ray job, inside a "
+            f"packaged copy of the working directory ({os.getcwd()}) that is deleted with the Ray session: pass an "
+            f"absolute path every node reaches, for example --set run_dir=$PWD/{run_dir} on a one-machine cluster "
+            "or a path on a shared filesystem")
+    return path.resolve()
+
+
+def writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".dew-write-probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise PreflightError(f"the run directory {run_dir} is not writable ({error}); set run_dir to a directory you "
+                             "can write") from None
+
+
+def _excludes(run_dir: Path) -> list[str]:
+    """What a cluster this driver starts leaves out of the working directory it packages for the actors."""
+    excludes = ["/runs/"]
+    try:
+        inside = run_dir.relative_to(Path.cwd())
+    except ValueError:
+        return excludes
+    return excludes + [f"/{inside.as_posix()}/"]
+
+
+def start_ray(address: str | None, run_dir: Path, cpus_reserved: float) -> None:
+    """Attach to ``address`` (or RAY_ADDRESS), or start a local cluster for this run."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster of this run only
+    address = address or os.environ.get("RAY_ADDRESS")
+    # A local cluster gets as many logical CPUs as the run reserves (at least the machine's cores):
+    # they are scheduling tokens, and the roles share the cores as any processes do.
+    cpus = None if address else max(os.cpu_count() or 1, math.ceil(cpus_reserved))
+    runtime_env = None if address else {"excludes": _excludes(run_dir)}
+    ray.init(address=address, num_cpus=cpus, include_dashboard=False if address is None else None,
+             log_to_driver=False, configure_logging=False, runtime_env=runtime_env)
