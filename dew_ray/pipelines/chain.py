@@ -32,7 +32,6 @@ stages train nothing, an unfinished one continues from its checkpoint (``checkpo
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
@@ -50,7 +49,7 @@ from dew.recipes.stage_files import StageSpec, decoding, export_policy, model_to
 from dew.recipes.chain import stage_trainer
 from dew_ray.actors import start_trainer_group, step_group
 from dew_ray.actors.trainer import TrainJob
-from dew_ray.pipelines.run_dirs import PreflightError, resolve_run_dir, start_ray, writable
+from dew_ray.pipelines.run_dirs import PreflightError, pipeline_main, resolve_run_dir, start_ray, writable
 
 __all__ = ["ChainConfig", "ChainPipeline", "main", "run"]
 
@@ -188,26 +187,14 @@ def run(config: ChainConfig, address: str | None = None) -> dict:
         return pipeline.run_stages(lambda line: print(line, flush=True))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a TOML file of ChainConfig fields with [[stages]] tables")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one top-level field")
-    parser.add_argument("--address", default=None, help="attach to this Ray cluster (default: RAY_ADDRESS or a "
-                                                        "local cluster started for the run)")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(ChainConfig, args.config, args.set, table="chain")
-    except (ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        summary = run(config, args.address)
-    except PreflightError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+def report(summary: dict) -> None:
     for stage in summary["stages"]:
         print(f"{stage['name']} ({stage['kind']}): {stage['steps']} steps, {stage['seconds']} s, policy {stage['policy']}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return pipeline_main(argv, __doc__.split("\n\n")[0], "a TOML file of ChainConfig fields with [[stages]] tables",
+                         lambda path, overrides: load_config(ChainConfig, path, overrides, table="chain"), run, report)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,6 @@ The driver API: ``pipeline = RLVRPipeline(config)``, ``pipeline.start()``,
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -103,7 +102,7 @@ from dew_ray.pipelines.rlvr_job import (
     warm_start_task,
 )
 from dew_ray.pipelines.rlvr_report import plot, print_summary
-from dew_ray.pipelines.run_dirs import PreflightError, resolve_run_dir, start_ray, writable
+from dew_ray.pipelines.run_dirs import PreflightError, pipeline_main, resolve_run_dir, start_ray, writable
 from dew_ray.placement import RolePlacement
 
 VERL_ROWS = "verl_rows"  # the run directory's folder of verl AgentLoopOutput rows (config verl_rows)
@@ -415,24 +414,8 @@ def run(config: RLVRPipelineConfig, address: str | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="a TOML file of RLVRPipelineConfig fields")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one field")
-    parser.add_argument("--address", default=None, help="attach to this Ray cluster (default: RAY_ADDRESS or a "
-                                                        "local cluster started for the run)")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.set)
-    except (ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        summary = run(config, args.address)
-    except PreflightError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print_summary(summary)
-    return 0
+    return pipeline_main(argv, __doc__.split("\n\n")[0], "a TOML file of RLVRPipelineConfig fields", load_config, run,
+                         print_summary)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,17 @@ session) must give an absolute path every node reaches, and a URI is refused (th
 write with local file I/O). ``writable`` checks it can be written; ``start_ray`` starts the
 local cluster of one run (token authentication off, ``runs/`` and the run directory left out
 of the packaged working directory) unless ``address`` or ``RAY_ADDRESS`` names a cluster.
+``pipeline_main`` is every pipeline's ``python -m`` entry: ``--config``, ``--set`` and
+``--address``, errors in the configuration or the preflight printed and exit status 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -74,3 +79,26 @@ def start_ray(address: str | None, run_dir: Path, cpus_reserved: float) -> None:
     runtime_env = None if address else {"excludes": _excludes(run_dir)}
     ray.init(address=address, num_cpus=cpus, include_dashboard=False if address is None else None,
              log_to_driver=False, configure_logging=False, runtime_env=runtime_env)
+
+
+def pipeline_main(argv: list[str] | None, description: str, config_help: str, read_config: Callable,
+                  run: Callable, report: Callable[[dict], None]) -> int:
+    """Parse ``--config/--set/--address``, read the config (``read_config(path, overrides)``), run it, report."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", help=config_help)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one field")
+    parser.add_argument("--address", default=None, help="attach to this Ray cluster (default: RAY_ADDRESS or a "
+                                                        "local cluster started for the run)")
+    args = parser.parse_args(argv)
+    try:
+        config = read_config(args.config, args.set)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        summary = run(config, args.address)
+    except PreflightError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    report(summary)
+    return 0
