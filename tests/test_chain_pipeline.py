@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT
+from conftest import ROOT, free_port
+from test_rlvr_pipeline import stop_head
 from test_stage_cli import write_data, write_model
 
 from dew.config import ConfigError, load_config
@@ -112,3 +113,29 @@ def test_chain_configs_are_checked_by_the_shared_loader(tmp_path):
         load_config(ChainConfig, path)
     path.write_text('model = "m"\n[[stages]]\nname = "a"\nkind = "sft"\ndata = "x"\nsteps = 1\n')
     assert load_config(ChainConfig, path, ["batch=4"]).stages[0].kind == "sft"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_chain_runs_as_a_submitted_ray_job(tmp_path):
+    """``ray start --head`` and ``ray job submit -- python -m dew_ray.pipelines.chain``, as the README says, with
+    two trainer processes per stage."""
+    model = write_model(tmp_path / "model")
+    config = chain_file(tmp_path, model, *write_data(tmp_path))
+    temp_dir, dashboard, port = f"/tmp/dew-chain-head-{free_port()}", free_port(), free_port()
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "VIRTUAL_ENV")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    lines = [f"uv run ray start --head --num-cpus 2 --port {port} --dashboard-port {dashboard} --temp-dir {temp_dir}",
+             f"uv run ray job submit --address http://127.0.0.1:{dashboard} --working-dir . -- "
+             f"python -m dew_ray.pipelines.chain --config {config} --set run_dir={tmp_path / 'submitted'} "
+             "--set trainers=2 --set trainer_cpus=0.5"]  # each stage a two-process jax.distributed group
+    try:
+        ran = subprocess.run(["bash", "-ec", "\n".join(lines)], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+        assert "succeeded" in ran.stdout.lower()
+        summary = json.loads((tmp_path / "submitted" / "summary.json").read_text())
+        assert [stage["name"] for stage in summary["stages"]] == ["warm", "prefer", "reinforce"]
+        assert (tmp_path / "submitted" / "reinforce" / "policy" / "model.safetensors").exists()
+    finally:
+        stop_head(temp_dir)

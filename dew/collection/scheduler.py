@@ -29,7 +29,9 @@ Admission by status (``truncation`` is pack's option):
 complete group is admitted only if its chains fit N rows beside the groups admitted
 before it (otherwise it is *cut*); a group that cannot fit N rows on its own raises.
 ``old_log_probs`` is rescored under the trainer's current variables (the proximal
-policy); ``behavior_log_probs`` stays as the engine reported it.
+policy); ``behavior_log_probs`` stays as the engine reported it; ``lags`` says how many
+updates behind the trained weights each sampled id's weights were (GRPOObjective's
+``max_token_lag`` reads it).
 
 Multi-process trainers. Every trainer process runs its own scheduler, on its own source,
 over the task rows its partition of the data stream reads, and packs its own N rows; the
@@ -72,6 +74,12 @@ logger = logging.getLogger(__name__)
 
 _POLL = 0.05  # seconds between checks of timeouts while waiting on rollouts
 PUSHES = ("one", "each")
+
+
+def token_lags(versions, version: int) -> np.ndarray:
+    """[rows, width] int32: how many updates each sampled id's weights are behind ``version`` (0 elsewhere)."""
+    versions = np.asarray(versions)
+    return np.where(versions >= 0, version - versions, 0).astype(np.int32)
 
 
 class RolloutScheduler:
@@ -283,6 +291,7 @@ class RolloutScheduler:
             out = None  # every admitted rollout masked: nothing to train on
         if out is not None:
             out["old_log_probs"] = self._proximal(variables, out)
+            out["lags"] = token_lags(out["versions"], version)
         versions = [min(c.version for c in s.calls) for s in got.sessions if s.calls]
         oldest = min(versions) if versions else None
         record = SchedulerRecord(

@@ -55,7 +55,8 @@ class RLVRConfig(Config):
     the demonstrations and GRPO prompts come from; eval_tasks, eval_samples: the
     held-out measurement; max_new_tokens: the response budget; slots: each rollout
     server's concurrent draws; sandbox_workers: programs run at once (per runner);
-    runner: "bwrap" (bubblewrap) or "process" (trusted code only); progress: progress bars.
+    runner: "bwrap" (bubblewrap) or "process" (trusted code only); progress: progress bars;
+    max_token_lag: GRPOObjective's per-token version bound (None: every admitted id trains).
     """
 
     steps: int = Field(120, ge=1)
@@ -78,6 +79,7 @@ class RLVRConfig(Config):
     sandbox_workers: int = Field(2, ge=1)
     runner: Literal["bwrap", "process"] = "bwrap"
     progress: bool = True
+    max_token_lag: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _schedule(self):
@@ -182,7 +184,8 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     if config.tasks_per_step % processes:
         raise ValueError(f"tasks_per_step={config.tasks_per_step} must divide over {processes} trainer processes")
     width = prompt_len + config.max_new_tokens  # one chain: the prompt, then the response
-    objective = GRPOObjective(model, seq_len=width - 1, pretrained=params, behavior_importance=2.0)
+    objective = GRPOObjective(model, seq_len=width - 1, pretrained=params, behavior_importance=2.0,
+                              max_token_lag=config.max_token_lag)
     source = PromptSource(server, reward, decode=tokenizer.decode, max_new_tokens=config.max_new_tokens,
                           eos_ids=(tokenizer.eos_token_id,), workers=score_workers)
     records: list[SchedulerRecord] = []

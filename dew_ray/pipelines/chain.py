@@ -161,12 +161,13 @@ class ChainPipeline:
                     ray.get([actor.save.remote() for actor in actors])
                     progress(f"stage {spec.name}: step {done}/{spec.steps}, loss {rows[-1].get('loss', float('nan')):.4f}")
                 policy = actors[0].snapshot.remote()  # the object store holds it; the driver keeps the reference only
-                directory = ray.get(write_policy.remote(config.model, config.tokenizer, [policy],
-                                                        str(self.run_dir / spec.name / "policy")))
+                ray.wait([policy], fetch_local=False)  # made before the group ends (its CPUs then go to the export)
             finally:
                 ray.get([actor.close.remote() for actor in actors])
                 for actor in actors:
                     ray.kill(actor)
+            directory = ray.get(write_policy.remote(config.model, config.tokenizer, [policy],
+                                                    str(self.run_dir / spec.name / "policy")))
             previous = [policy]
             self.summary["stages"].append({"name": spec.name, "kind": spec.kind, "steps": spec.steps,
                                            "restored": started[0]["restored"], "policy": directory,

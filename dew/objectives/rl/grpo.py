@@ -22,6 +22,13 @@ Behaviour corrections, off unless asked for:
   mean k1 = -log(pi / mu) leaves ``[log lo, log hi]``, verl's seq_sum_k1 / seq_mean_k1
   rejection with ``rollout_rs_threshold="lo_hi"`` unchanged.
 
+Per-token versions, off unless asked for: ``max_token_lag=k`` drops every sampled id more than
+k updates older than the weights being trained (the batch's ``lags`` column, which
+:class:`~dew.collection.scheduler.RolloutScheduler` writes from pack's per-id ``versions``);
+with ``stale_token_weight=w`` in (0, 1) such ids are down-weighted by w instead. Whenever a
+batch has ``lags`` the loss reports ``lag/share_0``, ``lag/share_1`` and ``lag/share_2plus``,
+the share of trainable ids at each lag.
+
 Without ``old_log_probs`` the loss runs in verl's bypass mode: the behaviour
 likelihoods stand in for the old policy, the band and the sequence masks compare the
 detached current policy with behaviour, the band only masks (out-of-band tokens leave
@@ -52,11 +59,11 @@ from dew.objectives.base import (
 from dew.objectives.lm import token_log_probs
 from dew.losses import policy as losses
 from dew.losses.policy import AGGREGATIONS
-from dew.validation import band, number, one_of, positive
+from dew.validation import band, integer, number, one_of, positive
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 REQUIRED = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "behavior_log_probs", "advantages")
-INTEGER = ("input_ids", "text_segment_ids", "text_positions", "response_mask")
+INTEGER = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "lags")
 _UNSET = object()
 
 
@@ -85,6 +92,8 @@ class GRPOObjective(Objective):
         sequence_mask: tuple[float, float] | None = None,
         geometric_mask: tuple[float, float] | None = None,
         sampling_temperature: float | None = None,
+        max_token_lag: int | None = None,
+        stale_token_weight: float = 0.0,
         ema_decay=_UNSET,
     ):
         if ema_decay is not _UNSET:
@@ -112,6 +121,11 @@ class GRPOObjective(Objective):
         self.sampling_temperature = (
             None if sampling_temperature is None else positive("sampling_temperature", sampling_temperature)
         )
+        self.max_token_lag = None if max_token_lag is None else integer("max_token_lag", max_token_lag, at_least=0)
+        self.stale_token_weight = number("stale_token_weight", stale_token_weight, at_least=0, below=1,
+                                         why="the weight of ids older than max_token_lag: 0 drops them")
+        if self.stale_token_weight and self.max_token_lag is None:
+            raise ValueError("stale_token_weight needs max_token_lag: the lag past which ids are down-weighted")
         self.ema_decay = 1.0 if self.beta > 0 else None
 
     # ----- host checks -----------------------------------------------------------------------
@@ -120,7 +134,11 @@ class GRPOObjective(Objective):
         owner = f"GRPOObjective(seq_len={self.seq_len})"
         width = self.seq_len + 1
         rows = None
-        for field in REQUIRED + tuple(f for f in ("old_log_probs", "session_index") if f in batch):
+        if self.max_token_lag is not None and "lags" not in batch:
+            raise ValueError(f"{owner}: max_token_lag={self.max_token_lag} needs the batch field 'lags' (each sampled "
+                             f"id's updates behind the trained weights, as RolloutScheduler writes it); the batch has "
+                             f"{sorted(batch)}")
+        for field in REQUIRED + tuple(f for f in ("old_log_probs", "session_index", "lags") if f in batch):
             value = require_field(batch, field, owner)
             shape = np.shape(value)
             if len(shape) != 2 or shape[1] != width or (rows is not None and shape[0] != rows):
@@ -221,6 +239,18 @@ class GRPOObjective(Objective):
             else:
                 weights = losses.icepop_weights(old, behavior, low, high)
                 removed("behavior_importance", (weights > 0).astype(jnp.float32))
+        if "lags" in batch:
+            lags = batch["lags"][:, 1:]
+            for name, at in (("0", lags == 0), ("1", lags == 1), ("2plus", lags >= 2)):
+                metrics[f"lag/share_{name}"] = (mask * at).sum() / jnp.maximum(trainable, 1.0)
+            if self.max_token_lag is not None:
+                stale = lags > self.max_token_lag
+                if self.stale_token_weight:
+                    weights = weights * jnp.where(stale, self.stale_token_weight, 1.0)
+                else:
+                    keep = (~stale).astype(jnp.float32)
+                    removed("max_token_lag", keep)
+                    mask = mask * keep
         for name, bounds, mode in (("sequence_mask", self.sequence_mask, "sum"),
                                    ("geometric_mask", self.geometric_mask, "mean")):
             if bounds is not None:
