@@ -139,7 +139,7 @@ class FlowModel(Objective):
     def sample_metrics(self, variables, batch) -> dict:
         if not self.metrics:
             return {}
-        rows = _rows(batch, self.inputs)
+        rows = batch_rows(batch, self.inputs)
         samples = self._decoded_samples(variables, batch, jax.random.key(EVALUATION_KEY), rows)
         sums = {"samples": jnp.asarray(rows, jnp.float32)}
         for metric in self.metrics:
@@ -158,7 +158,8 @@ class FlowModel(Objective):
         return metrics
 
 
-def _rows(batch, inputs: InputSpec) -> int:
+def batch_rows(batch, inputs: InputSpec) -> int:
+    """The row count of the first InputSpec field the batch holds (a source batch may lack the generated one)."""
     for item in inputs.fields:
         if item.name in batch:
             return batch[item.name].shape[0]

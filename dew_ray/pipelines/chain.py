@@ -44,7 +44,7 @@ import ray
 from pydantic import Field, model_validator
 
 from dew.config import Config, load_config
-from dew.models.pretrained import load_pretrained
+from dew.models.pretrained import Pretrained
 from dew.recipes.stage_files import StageSpec, decoding, export_policy, model_tokenizer, stage_of
 from dew.recipes.chain import stage_trainer
 from dew_ray.actors import start_trainer_group, step_group
@@ -87,9 +87,10 @@ def stage_job(config: ChainConfig, index: int, run_dir: str, start: list | None)
     previous stage's policy as an object reference; None for the model directory's weights)."""
     spec = config.stages[index]
     tokenizer = model_tokenizer(config.model, config.tokenizer)
-    model, variables = load_pretrained(config.model)
-    if start is not None:
-        variables = ray.get(start[0])
+    pretrained = Pretrained.from_directory(config.model)
+    model = pretrained.model()
+    # a later stage starts from the previous policy: the directory's weights are read for the first stage only
+    variables = pretrained.load() if start is None else ray.get(start[0])
     stage = stage_of(spec, spec.kind, spec.name, tokenizer)
     trainer, data = stage_trainer(model, optax.adamw(config.learning_rate),
                                   jax.random.fold_in(jax.random.key(config.seed), index + 1),

@@ -38,7 +38,7 @@ from dew.flow.inputs import InputSpec
 from dew.flow.process import Process
 from dew.losses.flow import coordinate_mean, gaussian_log_density, sde_transition, transition_kl
 from dew.losses.policy import aggregate, ppo_surrogate
-from dew.objectives.diffusion import FlowModel
+from dew.objectives.diffusion import FlowModel, batch_rows
 from dew.validation import number
 
 _UNSET = object()
@@ -143,5 +143,4 @@ class FlowGRPOObjective(FlowModel):
         return loss, metrics
 
     def evaluate(self, variables, batch):
-        rows = next(batch[f.name].shape[0] for f in self.inputs.fields if f.name in batch)
-        return {"samples": jnp.asarray(rows, jnp.float32), **self.sample_metrics(variables, batch)}
+        return {"samples": jnp.asarray(batch_rows(batch, self.inputs), jnp.float32), **self.sample_metrics(variables, batch)}
