@@ -1,104 +1,167 @@
-"""Asynchronous against synchronous RLVR: examples/train_rlvr.py's core twice with the same seed.
+"""Asynchronous against synchronous RLVR over several seeds: examples/train_rlvr.py's core, both modes per seed.
 
-Runs ``run(RLVRConfig(...))`` of examples/train_rlvr.py (SFT warm start, GRPO through
-RolloutScheduler over a PromptSource on the NativeRolloutServer, code tasks run in a
-SandboxFleet) once asynchronously, ``max_lag=1, ahead=1``: the next batch's rollouts
-run while the trainer updates, and once synchronously, ``max_lag=0, ahead=0``: each
-batch is submitted when the trainer asks for it, under the weights it trains. Both start
-from one SFT warm start on the same tasks.
+For each seed, one SFT warm start, then ``run(RLVRConfig(...))`` of examples/train_rlvr.py
+(GRPO through RolloutScheduler over a PromptSource on the NativeRolloutServer, code tasks
+run in a SandboxFleet) in each mode, interleaved seed by seed so that both modes see the
+same machine load (the first of them alternates seed by seed):
 
-Reported per mode: the held-out mean reward after SFT and after GRPO (the same tasks and
-sampling seeds), and the share of the trainer's wall time after its first update spent
-waiting for rollouts: the scheduler records' ``waited`` seconds from the second call on,
-over the time from the second call's start to the end of training. Rollout generation,
-verification and the update all share this machine's cores, so overlap buys less than it
+- async, ``max_lag=1, ahead=1``: the next batch's rollouts run while the trainer updates;
+- sync, ``max_lag=0, ahead=0``: each batch is drawn when the trainer asks for it, under
+  the weights it trains.
+
+``--token-lag`` runs two other modes instead, into ``rlvr_token_lag.{json,png}``: asynchronous
+two batches ahead (``max_lag=2, ahead=2``), with and without ``max_token_lag=1``
+(GRPOObjective drops the sampled ids drawn two or more updates before the weights that
+train on them).
+
+Reported per mode over the seeds: the held-out gain (reward after GRPO minus after SFT, on
+the held-out split, same tasks and sampling seeds) as mean and standard error, the
+GRPO wall time, and the trainer's wait share after its first update (the scheduler
+records' ``waited`` seconds from the second call on, over the wall time from the second
+call's start to the end of training). The plot has the training reward per update, mean
+over seeds with a band of one standard error, one line per mode. Rollout generation,
+verification and the update share this machine's cores, so overlap buys less than it
 would with the rollouts on other devices.
 
-    uv run python bench/rlvr_async.py [--steps 120] [--seed 0]
+    uv run python bench/rlvr_async.py [--seeds 0 1 2 3 4] [--steps N] [--token-lag]
 
-Prints a table and writes bench/results/rlvr_async.{json,png}.
+Prints a table and writes bench/results/rlvr_async.{json,png} (the JSON after every run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from train_rlvr import RLVRConfig, run, warm_start  # noqa: E402  (examples/ is not a package)
 
-MODES = {"async (max_lag=1, ahead=1)": (1, 1), "sync (max_lag=0, ahead=0)": (0, 0)}
+MODES = {"async (max_lag=1, ahead=1)": {"max_lag": 1, "ahead": 1},
+         "sync (max_lag=0, ahead=0)": {"max_lag": 0, "ahead": 0}}
+TOKEN_LAG_MODES = {"async 2 ahead (max_lag=2, ahead=2)": {"max_lag": 2, "ahead": 2},
+                   "async 2 ahead, max_token_lag=1": {"max_lag": 2, "ahead": 2, "max_token_lag": 1}}
+COLOURS = ("#228833", "#777777", "#ee6677")
+OUT = ROOT / "bench" / "results"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=RLVRConfig.model_fields["steps"].default)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    results = {}
-    warm = warm_start(RLVRConfig(steps=args.steps, seed=args.seed))  # one warm start: both modes begin alike
-    print(f"SFT warm start: {warm.seconds:.1f} s", flush=True)
-    for mode, (max_lag, ahead) in MODES.items():
-        print(f"{mode}: {args.steps} GRPO updates, seed {args.seed}", flush=True)
-        results[mode] = run(RLVRConfig(steps=args.steps, seed=args.seed, max_lag=max_lag, ahead=ahead), warm=warm)
-    cores = os.cpu_count()
-    print(f"\n{args.steps} GRPO updates, seed {args.seed}, {cores} CPU cores "
-          f"(evaluation reward: {RLVRConfig().eval_tasks} tasks x {RLVRConfig().eval_samples} samples at temperature 1)")
-    header = (f"{'mode':<28} {'reward start':>12} {'reward end':>10} {'wait share':>10} {'waited s':>9} "
-              f"{'after 1st s':>11} {'GRPO s':>7} {'run s':>7}")
-    print(header)
+def mean_and_error(values) -> tuple[float, float]:
+    """The mean and its standard error (sample standard deviation over sqrt(n); NaN for one value)."""
+    values = np.asarray(values, np.float64)
+    error = values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return float(values.mean()), float(error)
+
+
+def run_row(result) -> dict:
+    """What the bench keeps of one run."""
+    return {
+        "reward_start": result.reward_before, "reward_end": result.reward_after,
+        "gain": result.reward_after - result.reward_before,
+        "family_start": result.family_before, "family_end": result.family_after,
+        "wait_share": result.wait_share, "waited_seconds": result.waited,
+        "grpo_seconds": result.seconds["grpo"], "total_seconds": result.seconds["total"],
+        "max_lag_seen": max((r.lag for r in result.records if r.lag is not None), default=0),
+        "resubmissions": sum(sum(r.resubmissions.values()) for r in result.records),
+        "train_rewards": result.train_rewards[: result.config.steps],
+    }
+
+
+def summarise(runs: dict[str, dict[int, dict]]) -> dict[str, dict]:
+    """Per mode: gain, start, end, wall time and wait share over the seeds run so far."""
     summary = {}
-    for mode, result in results.items():
+    for mode, by_seed in runs.items():
+        rows = list(by_seed.values())
+        gain, gain_error = mean_and_error([r["gain"] for r in rows])
         summary[mode] = {
-            "reward_start": result.reward_before, "reward_end": result.reward_after,
-            "family_start": result.family_before, "family_end": result.family_after,
-            "wait_share": result.wait_share, "waited_seconds": result.waited,
-            "after_first_update_seconds": result.rl_after_first_seconds,
-            "grpo_seconds": result.seconds["grpo"], "total_seconds": result.seconds["total"],
-            "waits_per_step": [r.waited for r in result.records],
-            "max_lag_seen": max((r.lag for r in result.records if r.lag is not None), default=0),
-            "resubmissions": sum(sum(r.resubmissions.values()) for r in result.records),
-            "train_rewards": result.train_rewards,
+            "seeds": sorted(by_seed), "gain": gain, "gain_error": gain_error,
+            "reward_start": mean_and_error([r["reward_start"] for r in rows])[0],
+            "reward_end": mean_and_error([r["reward_end"] for r in rows])[0],
+            "grpo_seconds": mean_and_error([r["grpo_seconds"] for r in rows])[0],
+            "wait_share": mean_and_error([r["wait_share"] for r in rows])[0],
         }
-        row = summary[mode]
-        print(f"{mode:<28} {row['reward_start']:>12.3f} {row['reward_end']:>10.3f} {100 * row['wait_share']:>9.1f}% "
-              f"{row['waited_seconds']:>9.1f} {row['after_first_update_seconds']:>11.1f} {row['grpo_seconds']:>7.1f} "
-              f"{row['total_seconds']:>7.1f}")
+    return summary
+
+
+def print_table(summary: dict[str, dict], runs: dict[str, dict[int, dict]], steps: int) -> None:
+    print(f"\n{steps} GRPO updates per run, {os.cpu_count()} CPU cores; held-out reward: "
+          f"{RLVRConfig().eval_tasks} held-out tasks x {RLVRConfig().eval_samples} samples at temperature 1")
+    print(f"{'mode':<32} {'seeds':>5} {'held-out gain':>15} {'start':>6} {'end':>6} {'GRPO s':>7} {'wait share':>10}")
     for mode, row in summary.items():
-        families = ", ".join(f"{family} {row['family_start'][family]:.3f} -> {row['family_end'][family]:.3f}"
-                             for family in row["family_start"] if family != "all")
-        print(f"{mode:<28} {families}")
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rlvr_async.json").write_text(json.dumps(
-        {"steps": args.steps, "seed": args.seed, "cpu_cores": cores,
-         "config": {mode: result.summary()["config"] for mode, result in results.items()}, "summary": summary},
-        indent=2))
+        print(f"{mode:<32} {len(row['seeds']):>5} {row['gain']:>+8.3f} ± {row['gain_error']:.3f} "
+              f"{row['reward_start']:>6.3f} {row['reward_end']:>6.3f} {row['grpo_seconds']:>7.1f} "
+              f"{100 * row['wait_share']:>9.1f}%")
+    for mode, by_seed in runs.items():
+        gains = ", ".join(f"seed {seed} {row['gain']:+.3f}" for seed, row in sorted(by_seed.items()))
+        print(f"{mode:<32} {gains}")
+
+
+def plot(runs: dict[str, dict[int, dict]], summary: dict[str, dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (waits, rewards) = plt.subplots(1, 2, figsize=(10, 3.2))
-    colours = {mode: colour for mode, colour in zip(MODES, ("#228833", "#bbbbbb"))}
-    for mode, row in summary.items():
-        waits.plot(range(1, len(row["waits_per_step"]) + 1), row["waits_per_step"], color=colours[mode],
-                   label=f"{mode}: {100 * row['wait_share']:.1f}% waiting")
-        rewards.plot(range(1, len(row["train_rewards"]) + 1), row["train_rewards"], color=colours[mode], label=mode)
-    waits.set_xlabel("scheduler call")
-    waits.set_ylabel("seconds waited for rollouts")
-    waits.legend(fontsize=8)
+    figure, (rewards, gains) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [2, 1]})
+    for (mode, by_seed), colour in zip(runs.items(), COLOURS):
+        curves = np.array([row["train_rewards"] for row in by_seed.values()], np.float64)
+        mean = np.nanmean(curves, axis=0)
+        error = (np.nanstd(curves, axis=0, ddof=1) / math.sqrt(len(curves)) if len(curves) > 1
+                 else np.zeros_like(mean))
+        steps = np.arange(1, len(mean) + 1)
+        rewards.plot(steps, mean, color=colour, label=f"{mode} ({len(curves)} seeds)")
+        rewards.fill_between(steps, mean - error, mean + error, color=colour, alpha=0.25, linewidth=0)
+        row = summary[mode]
+        x = list(runs).index(mode)
+        gains.scatter([x] * len(by_seed), [r["gain"] for r in by_seed.values()], color=colour, s=14)
+        gains.errorbar([x + 0.15], [row["gain"]], yerr=[0 if math.isnan(row["gain_error"]) else row["gain_error"]],
+                       color=colour, marker="s", capsize=4)
     rewards.set_xlabel("update")
-    rewards.set_ylabel("mean reward of the batch")
+    rewards.set_ylabel("training batch reward (mean ± s.e.)")
     rewards.legend(fontsize=8)
+    gains.set_xticks(range(len(runs)), [mode.split(" (")[0] for mode in runs], fontsize=8)
+    gains.axhline(0, color="#cccccc", linewidth=0.8)
+    gains.set_ylabel("held-out gain (seeds, mean ± s.e.)")
     figure.tight_layout()
-    figure.savefig(out / "rlvr_async.png", dpi=120)
-    print(f"wrote {out / 'rlvr_async.json'} and {out / 'rlvr_async.png'}")
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=RLVRConfig.model_fields["steps"].default)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--token-lag", action="store_true", help="the max_token_lag modes instead (module docstring)")
+    args = parser.parse_args(argv)
+    modes, name = (TOKEN_LAG_MODES, "rlvr_token_lag") if args.token_lag else (MODES, "rlvr_async")
+    runs: dict[str, dict[int, dict]] = {mode: {} for mode in modes}
+    configs = {}
+    OUT.mkdir(parents=True, exist_ok=True)
+    for seed in args.seeds:
+        warm = warm_start(RLVRConfig(steps=args.steps, seed=seed, progress=False))  # every mode begins alike
+        print(f"seed {seed}: SFT warm start {warm.seconds:.1f} s", flush=True)
+        # Alternate which mode runs first: a run's first compilations and the machine's state drift favour neither.
+        order = list(modes.items())
+        for mode, options in (order if args.seeds.index(seed) % 2 == 0 else order[::-1]):
+            config = RLVRConfig(steps=args.steps, seed=seed, progress=False, **options)
+            result = run(config, warm=warm)
+            runs[mode][seed] = run_row(result)
+            configs[mode] = {k: v for k, v in config.model_dump().items() if k != "seed"}
+            print(f"seed {seed} {mode}: held-out {result.reward_before:.3f} -> {result.reward_after:.3f}, "
+                  f"GRPO {result.seconds['grpo']:.1f} s, wait share {100 * result.wait_share:.1f}%", flush=True)
+            summary = summarise({m: r for m, r in runs.items() if r})
+            (OUT / f"{name}.json").write_text(json.dumps(
+                {"steps": args.steps, "seeds": args.seeds, "cpu_cores": os.cpu_count(), "config": configs,
+                 "summary": summary, "runs": runs}, indent=2))
+    print_table(summary, runs, args.steps)
+    plot(runs, summary, OUT / f"{name}.png")
+    print(f"wrote {OUT / f'{name}.json'} and {OUT / f'{name}.png'}")
     return 0
 
 

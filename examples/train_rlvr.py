@@ -8,11 +8,12 @@ What it does, all in this process on CPU:
    MathReward, one-line programs run by CodeReward in a SandboxFleet), their
    character-level tokenizer and a tiny decoder (:mod:`dew.models`, 0.34M parameters);
 2. warm-starts the decoder with a short SFT on the tasks' demonstrations
-   (LMObjective on the answers only), enough for a non-zero reward, far from a perfect one;
-3. measures the mean reward on evaluation tasks, fresh draws from another seed
-   (the task tables are small, so most of their prompts also occur in training; see
-   :mod:`dew.data.verifiable`), sampling at temperature 1 through the rollout server
-   with fixed seeds;
+   (LMObjective on the answers only), written by a fallible teacher: ``sft_errors`` of
+   them carry one wrong number (:func:`~dew.data.verifiable.teacher_errors`), so the
+   warm start learns the rule and the slips with it;
+3. measures the mean reward on the held-out split, tasks whose prompts never occur in
+   training (see :mod:`dew.data.verifiable`), sampling at temperature 1 through the
+   rollout server with fixed seeds;
 4. trains GRPO (:class:`~dew.objectives.rl.GRPOObjective`) with a
    :class:`~dew.collection.scheduler.RolloutScheduler` over a
    :class:`~dew.objectives.rl.PromptSource` on a
@@ -158,7 +159,8 @@ def warm_start(config: RLVRConfig, output_dir: Path | None = None) -> WarmStart:
     model = decoder(len(tokenizer), max_seq_len=width)
     params = rlvr.warm_start(model, tokenizer, train, width, config.sft_steps, config.sft_batch,
                              config.sft_learning_rate, key=jax.random.fold_in(jax.random.key(config.seed), 1),
-                             seed=config.seed, output_dir=output_dir, progress=config.progress)
+                             seed=config.seed, output_dir=output_dir, progress=config.progress,
+                             errors=config.sft_errors)
     return WarmStart(config=config, tokenizer=tokenizer, train=train, held_out=held_out, model=model, width=width,
                      params=params, seconds=time.perf_counter() - started)
 
@@ -173,7 +175,8 @@ def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLV
     if not isinstance(config, RLVRConfig):
         raise TypeError(f"run needs an RLVRConfig, got {type(config).__name__}")
     if warm is not None:
-        fields = ("seed", "train_tasks", "eval_tasks", "max_new_tokens", "sft_steps", "sft_batch", "sft_learning_rate")
+        fields = ("seed", "train_tasks", "eval_tasks", "max_new_tokens", "sft_steps", "sft_batch", "sft_learning_rate",
+                  "sft_errors")
         differ = [f for f in fields if getattr(warm.config, f) != getattr(config, f)]
         if differ:
             raise ValueError(f"the warm start was made with other {differ} than this config")

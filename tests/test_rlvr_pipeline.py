@@ -118,6 +118,10 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
     assert (run / "rlvr.png").stat().st_size > 10_000 and (run / "summary.json").exists()
+    # the held-out curve: before, after updates 1 and 2 (eval_points=3 of 3 updates, evenly spaced), and after
+    curve = [json.loads(line) for line in (run / "held_out.jsonl").read_text().splitlines()]
+    assert [point["step"] for point in curve] == [0, 1, 2, 3] and curve == summary["held_out"]
+    assert curve[0]["reward"] == summary["reward_before"] and curve[-1]["reward"] == summary["reward_after"]
     truths = {row["reward_model"]["ground_truth"] for row in pq.read_table(VERL_PARQUET).to_pylist()}
     for line in lines:  # what it wrote reads back: every admitted rollout of both processes, whole groups
         written = read_verl_rows(run, line)
@@ -342,6 +346,9 @@ def test_a_killed_main_job_resumes_from_its_checkpoint():
         # the verl rows of updates trained again were rewritten, not added to: one file per update, of its tasks
         assert sorted(p.name for p in (killed / "verl_rows").iterdir()) == [f"update-{s:06d}.jsonl" for s in range(1, 6)]
         assert sum(len(read_verl_rows(killed, row)) for row in rows) == 5 * 2 * 4
+        # the held-out curve has each of its points once: after the warm start, updates 1, 2 and 4, and the end
+        curve = [json.loads(line)["step"] for line in (killed / "held_out.jsonl").read_text().splitlines()]
+        assert curve == [0, 1, 2, 4, 5]
 
         whole = subprocess.run([*command, f"--run-dir=runs/{name}-whole"], env=env, cwd=ROOT, capture_output=True,
                                text=True, timeout=900)

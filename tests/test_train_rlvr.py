@@ -19,6 +19,7 @@ from dew.data.verifiable import (
     shared_prompts,
     task_rows,
     task_tokenizer,
+    teacher_errors,
     verifiable_tasks,
 )
 from dew.collection.tasks import prompt_tasks
@@ -81,7 +82,8 @@ def test_tasks_are_deterministic_and_cycle_the_families():
     a, b, op = (math_task.extra_info[k] for k in ("a", "b", "op"))
     assert int(math_task.ground_truth) == eval(f"{a}{op}{b}")
     sums = [t.extra_info for t in verifiable_tasks(200, seed=3, families=("math",))]
-    assert all(s["op"] == "+" and 0 <= s["a"] <= 9 and 0 <= s["b"] <= 9 for s in sums)
+    # A multiple of ten (10..90) plus a digit.
+    assert all(s["op"] == "+" and s["a"] in range(10, 100, 10) and s["b"] in range(10) for s in sums)
     cases = json.loads(code_task.ground_truth)
     assert len(cases) == 1 and set(cases[0]) == {"stdin", "stdout"}
     inputs, outputs = cases[0]["stdin"].splitlines(), cases[0]["stdout"].splitlines()
@@ -95,6 +97,44 @@ def test_tasks_are_deterministic_and_cycle_the_families():
     assert shared_prompts(tasks, tasks) == 12
 
 
+def test_held_out_split_shares_no_prompt_with_training_but_every_word():
+    train = verifiable_tasks(2000, seed=0)
+    held_out = verifiable_tasks(200, seed=1_000_000, split="held_out")
+    assert shared_prompts(held_out, train) == 0
+    assert {t.extra_info["split"] for t in held_out} == {"held_out"}
+    for family in ("math", "code"):  # both families are held out, in a share of their tables
+        seen = {t.prompt for t in train if t.family == family}
+        unseen = {t.prompt for t in held_out if t.family == family}
+        assert unseen and len(seen) > 3 * len(unseen)
+    words = {word for t in train for word in t.prompt.rstrip("?.\n").split()}
+    assert all(word in words for t in held_out for word in t.prompt.rstrip("?.\n").split())
+    # The rule is what carries over: every held-out math answer is its tens digit then its units digit.
+    for task in held_out:
+        if task.family == "math":
+            tens, units = task.extra_info["a"], task.extra_info["b"]
+            assert (tens // 10 + units) % 5 == 0 and task.ground_truth == f"{tens // 10}{units}"
+
+
+def test_a_fallible_teachers_answers_have_one_wrong_number():
+    tasks = verifiable_tasks(400, seed=2)
+    taught = teacher_errors(tasks, 0.4, seed=7)
+    assert taught == teacher_errors(tasks, 0.4, seed=7) and teacher_errors(tasks, 0.0) == tasks
+    wrong = [(task, slip) for task, slip in zip(tasks, taught) if slip.answer != task.answer]
+    assert 0.3 < len(wrong) / len(tasks) < 0.5
+    for task, slip in wrong:
+        assert (slip.prompt, slip.ground_truth) == (task.prompt, task.ground_truth)  # only the answer changes
+        if task.family == "math":
+            got, want = slip.answer[len(" \\boxed{"):-1], task.ground_truth
+            assert len(got) == 2 and got[0] != "0" and sum(a != b for a, b in zip(got, want)) == 1
+        else:
+            got = slip.answer.removeprefix("```python\nprint(").removesuffix(")\n```")
+            want = task.extra_info["expression"]
+            bare = {"a+b", "a-b", "a*b", "max(a,b)", "min(a,b)"}  # a bare aggregate becomes another
+            assert got != want and (got[:-1] == want[:-1] if want[-1].isdigit() else got in bare)
+    with pytest.raises(ValueError, match=r"share must be in \[0, 1\), got 1.0"):
+        teacher_errors(tasks, 1.0)
+
+
 def test_bad_generator_arguments_raise():
     with pytest.raises(ValueError, match="count must be a positive integer, got 0"):
         verifiable_tasks(0)
@@ -102,6 +142,8 @@ def test_bad_generator_arguments_raise():
         verifiable_tasks(2, families=("math", "poetry"))
     with pytest.raises(ValueError, match="must not repeat"):
         verifiable_tasks(2, families=("math", "math"))
+    with pytest.raises(ValueError, match=r"split must be one of \('train', 'held_out'\), got 'test'"):
+        verifiable_tasks(2, split="test")
     with pytest.raises(ValueError, match="one reward per task"):
         mean_by_family(verifiable_tasks(2), [1.0])
 

@@ -4,9 +4,8 @@ Demos, tests and benches need tasks whose completions a program can check, a
 tokenizer and a warm-start corpus, without downloading anything. This module makes
 them procedurally from a seed:
 
-- ``math`` (data source ``dew/arithmetic``): "What is seven plus five?" answered
-  `` \\boxed{12}``: a plus b for a, b in 0..9 (100 problems). The
-  ground truth is the answer as an integer string, which
+- ``math`` (data source ``dew/arithmetic``): "What is forty plus seven?" answered
+  `` \\boxed{47}``: a multiple of ten 10..90 plus a digit 0..9, both as words (90 pairs). The ground truth is the answer as an integer string, which
   :class:`~dew.sandbox.MathReward` compares with the last ``\\boxed{}`` of a completion.
 - ``code`` (data source ``dew/expression_code``): "Given a, b: print their product
   plus three." answered with a fenced one-line python program, ``print(a*b+3)``.
@@ -25,9 +24,13 @@ Numbers in prompts are words ("seven", not "7"): in a short warm start a tiny de
 learns to read a word of several characters long before it learns to copy a lone
 digit, and without reading the prompt its reward stays near zero.
 
-Both tables are small, so tasks drawn from two seeds share many prompts (code tasks
-still differ in their test cases); :func:`shared_prompts` counts them. Fresh draws
-measure the task distribution, not generalisation to unseen problems.
+Each family's table is split in two (``split``): the held-out pairs and specifications
+(:func:`held_out_sum`, :func:`held_out_specification`, about a fifth of each table) never
+occur among the training tasks, though every word of them does, in other combinations.
+Both families answer by a rule (a digit per number word; the symbols of the
+aggregate, the modifier and the number), so the held-out split measures whether a
+policy learned the rule, not whether it remembers answers: :func:`shared_prompts` of a
+held-out draw against any training draw is 0.
 
 A :class:`VerifiableTask` gives its verl-style row (``data_source``, ``prompt``,
 ``reward_model.ground_truth``, ``extra_info``; :class:`~dew.data.Prompts` reads it with
@@ -81,6 +84,9 @@ _AGGREGATES = (
 _MODIFIERS = (("plus", "+"), ("minus", "-"), ("times", "*"))
 # Numbers in prompts are words (see the module docstring).
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+TENS_WORDS = ("", "ten", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
+TRAIN, HELD_OUT = "train", "held_out"
+SPLITS = (TRAIN, HELD_OUT)
 CODE_INPUTS = 3  # input lines of a code task's one test case
 # How a code completion runs: its block is main.py, executed once per stdin line "a b" with a
 # and b set. The programs need no installed package: -S skips site (about a third of Python's
@@ -118,19 +124,31 @@ class VerifiableTask:
         }
 
 
-def math_task(rng: random.Random, index: int = 0) -> VerifiableTask:
-    """An arithmetic task drawn from ``rng``: a plus b, operands 0..9 written as words.
+def held_out_sum(tens: int, units: int) -> bool:
+    """Whether the math pair (``tens`` x 10, ``units``) is held out: (tens + units) % 5 == 0, 18 of the 90 pairs.
 
-    Addition only: a short warm start leaves the tiny decoder of the built-in run
-    answering about two fifths of these greedily and a third at temperature 1, which gives
-    GRPO groups with mixed rewards to learn from. With minus and times as well (300
-    problems) the same warm start answered under a tenth, and GRPO had almost nothing
-    to reinforce.
+    Every tens word and every units word still occurs in training, with other partners.
     """
-    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return (tens + units) % 5 == 0
+
+
+def math_task(rng: random.Random, index: int = 0, split: str = TRAIN) -> VerifiableTask:
+    """An arithmetic task of ``split`` drawn from ``rng``: a multiple of ten plus a digit, as words.
+
+    "What is forty plus seven?" answered `` \\boxed{47}``: tens 10..90 and units 0..9 (90
+    pairs). The answer follows a rule a tiny decoder can learn, the tens digit from the
+    first word and the units digit from the second, so pairs it never trained on
+    (:func:`held_out_sum`) measure whether it learned the rule rather than the answers.
+    """
+    while True:
+        tens, units = rng.randint(1, 9), rng.randint(0, 9)
+        if held_out_sum(tens, units) == (split == HELD_OUT):
+            break
+    total = 10 * tens + units
     return VerifiableTask(
-        family="math", data_source=MATH_SOURCE, prompt=f"What is {NUMBER_WORDS[a]} plus {NUMBER_WORDS[b]}?",
-        answer=f" \\boxed{{{a + b}}}", ground_truth=str(a + b), extra_info={"index": index, "a": a, "b": b, "op": "+"},
+        family="math", data_source=MATH_SOURCE, prompt=f"What is {TENS_WORDS[tens]} plus {NUMBER_WORDS[units]}?",
+        answer=f" \\boxed{{{total}}}", ground_truth=str(total),
+        extra_info={"index": index, "a": 10 * tens, "b": units, "op": "+", "split": split},
     )
 
 
@@ -145,14 +163,27 @@ def code_specification(aggregate: int, modifier: int | None, k: int) -> tuple[st
     return f"{words} {name} {NUMBER_WORDS[k]}", f"{expression}{symbol}{k}"
 
 
-def code_task(rng: random.Random, index: int = 0) -> VerifiableTask:
-    """A code task drawn from ``rng``: a one-line program printing an expression of ``a`` and ``b``.
+def held_out_specification(aggregate: int, modifier: int | None, k: int) -> bool:
+    """Whether a code specification is held out: a modified one with (aggregate + modifier + k) % 5 == 0.
 
-    Its ground truth is one case of :data:`CODE_INPUTS` input lines (module docstring).
+    24 of the 125 specifications; every aggregate, modifier and number still occurs in
+    training in other combinations.
     """
-    aggregate = rng.randrange(len(_AGGREGATES))
-    modifier = None if rng.random() < 0.2 else rng.randrange(len(_MODIFIERS))
-    k = rng.randint(2, 9)
+    return modifier is not None and (aggregate + modifier + k) % 5 == 0
+
+
+def code_task(rng: random.Random, index: int = 0, split: str = "train") -> VerifiableTask:
+    """A code task of ``split`` drawn from ``rng``: a one-line program printing an expression of ``a`` and ``b``.
+
+    Its ground truth is one case of :data:`CODE_INPUTS` input lines (module docstring);
+    the held-out specifications are :func:`held_out_specification`'s.
+    """
+    while True:
+        aggregate = rng.randrange(len(_AGGREGATES))
+        modifier = None if rng.random() < 0.2 else rng.randrange(len(_MODIFIERS))
+        k = rng.randint(2, 9)
+        if held_out_specification(aggregate, modifier, k) == (split == HELD_OUT):
+            break
     words, expression = code_specification(aggregate, modifier, k)
     stdin, stdout = [], []
     for _ in range(CODE_INPUTS):
@@ -164,20 +195,24 @@ def code_task(rng: random.Random, index: int = 0) -> VerifiableTask:
     return VerifiableTask(
         family="code", data_source=CODE_SOURCE, prompt=f"Given a, b: print {words}.\n",
         answer=f"```python\nprint({expression})\n```", ground_truth=json.dumps(cases),
-        extra_info={"index": index, "expression": expression},
+        extra_info={"index": index, "expression": expression, "split": split},
     )
 
 
-_MAKERS: dict[str, Callable[[random.Random, int], VerifiableTask]] = {"math": math_task, "code": code_task}
+_MAKERS: dict[str, Callable[[random.Random, int, str], VerifiableTask]] = {"math": math_task, "code": code_task}
 
 
-def verifiable_tasks(count: int, seed: int = 0, families: Sequence[str] = ("math", "code")) -> list[VerifiableTask]:
-    """``count`` tasks, the same for the same seed, cycling through ``families`` in order.
+def verifiable_tasks(count: int, seed: int = 0, families: Sequence[str] = ("math", "code"),
+                     split: str = TRAIN) -> list[VerifiableTask]:
+    """``count`` tasks of ``split`` ("train" or "held_out"), the same for the same seed, cycling through ``families``.
 
     Cycling (rather than drawing the family) keeps every window of ``len(families)``
-    consecutive tasks balanced, so batches read in order have a fixed mix.
+    consecutive tasks balanced, so batches read in order have a fixed mix. The two
+    splits share no prompt, whatever their seeds.
     """
     positive_int("count", count)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if isinstance(families, str) or not families:
         raise ValueError(f"families must be a non-empty sequence of names from {sorted(_MAKERS)}, got {families!r}")
     if len(set(families)) != len(families):
@@ -186,7 +221,36 @@ def verifiable_tasks(count: int, seed: int = 0, families: Sequence[str] = ("math
     if unknown:
         raise ValueError(f"unknown task families {unknown}; the built-in ones are {sorted(_MAKERS)}")
     rng = random.Random(seed)
-    return [_MAKERS[families[i % len(families)]](rng, i) for i in range(count)]
+    return [_MAKERS[families[i % len(families)]](rng, i, split) for i in range(count)]
+
+
+def teacher_errors(tasks: Sequence[VerifiableTask], share: float, seed: int = 0) -> list[VerifiableTask]:
+    """The tasks with the reference answers of a fallible teacher: ``share`` of them carry one wrong number.
+
+    A picked math answer gets one of its digits replaced by another (a leading one by 1..9); a picked code answer gets its number replaced by another of 2..9, or, for a
+    bare aggregate, another aggregate. Only ``answer`` changes (the ground truth stays
+    right), so a warm start on these demonstrations learns the rule and the teacher's
+    slips with it, which a verifier's reward can then train away. Deterministic in ``seed``.
+    """
+    if not 0 <= share < 1:
+        raise ValueError(f"share must be in [0, 1), got {share!r}")
+    rng = random.Random(seed)
+    return [_slip(task, rng) if rng.random() < share else task for task in tasks]
+
+
+def _slip(task: VerifiableTask, rng: random.Random) -> VerifiableTask:
+    if task.family == "math":
+        digits = list(task.ground_truth)
+        place = rng.randrange(len(digits))
+        digits[place] = str(rng.choice([d for d in range(place == 0, 10) if str(d) != digits[place]]))
+        return dataclasses.replace(task, answer=f" \\boxed{{{''.join(digits)}}}")
+    expression = task.extra_info["expression"]
+    number = expression[-1] if expression[-1].isdigit() else None
+    if number is not None:
+        wrong = expression[:-1] + str(rng.choice([k for k in range(2, 10) if str(k) != number]))
+    else:
+        wrong = rng.choice([e for _, e, _ in _AGGREGATES if e != expression])
+    return dataclasses.replace(task, answer=f"```python\nprint({wrong})\n```")
 
 
 def shared_prompts(tasks: Sequence[VerifiableTask], train: Sequence[VerifiableTask]) -> int:

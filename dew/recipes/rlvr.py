@@ -33,7 +33,14 @@ from dew.collection.tasks import prompt_tasks
 from dew.config import Config
 from dew.data import Dataset, Loading, Prompts
 from dew.data.chat import Role
-from dew.data.verifiable import VerifiableTask, demonstration_dataset, mean_by_family, verifiable_tasks
+from dew.data.verifiable import (
+    HELD_OUT,
+    VerifiableTask,
+    demonstration_dataset,
+    mean_by_family,
+    teacher_errors,
+    verifiable_tasks,
+)
 from dew.inference.rollout import RolloutServer
 from dew.objectives import LMObjective
 from dew.objectives.rl.grpo import GRPOObjective
@@ -50,7 +57,9 @@ class RLVRConfig(Config):
     max_lag, ahead, sync_every: the scheduler's staleness bound, batches submitted ahead
     of the one trained on and updates between weight pushes (max_lag >= ahead +
     sync_every - 1); tasks_per_step: prompts per GRPO batch; samples: completions per
-    prompt (the group); sft_steps, sft_batch, sft_learning_rate: the warm start;
+    prompt (the group); sft_steps, sft_batch, sft_learning_rate: the warm start; sft_errors:
+    the share of its demonstrations with one wrong number (a fallible teacher's,
+    :func:`~dew.data.verifiable.teacher_errors`);
     learning_rate, clip: GRPO's Adam step and gradient-norm clip; train_tasks: tasks
     the demonstrations and GRPO prompts come from; eval_tasks, eval_samples: the
     held-out measurement; max_new_tokens: the response budget; slots: each rollout
@@ -59,17 +68,18 @@ class RLVRConfig(Config):
     max_token_lag: GRPOObjective's per-token version bound (None: every admitted id trains).
     """
 
-    steps: int = Field(120, ge=1)
+    steps: int = Field(150, ge=1)
     seed: int = Field(0, ge=0)
     max_lag: int = Field(1, ge=0)
     ahead: int = Field(1, ge=0)
     sync_every: int = Field(1, ge=1)
     tasks_per_step: int = Field(8, ge=1)
     samples: int = Field(8, ge=2)
-    sft_steps: int = Field(300, ge=0)
+    sft_steps: int = Field(400, ge=0)
     sft_batch: int = Field(32, ge=1)
     sft_learning_rate: float = Field(1e-2, gt=0, lt=1)
-    learning_rate: float = Field(3e-4, gt=0, lt=1)
+    sft_errors: float = Field(0.4, ge=0, lt=1)
+    learning_rate: float = Field(5e-4, gt=0, lt=1)
     clip: float = Field(1.0, gt=0)
     train_tasks: int = Field(2000, ge=1)
     eval_tasks: int = Field(64, ge=1)
@@ -116,11 +126,14 @@ def sandbox_runner(name: str):
 
 
 def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, steps: int, batch: int,
-               learning_rate: float, key, seed: int = 0, output_dir=None, progress: bool = True):
+               learning_rate: float, key, seed: int = 0, output_dir=None, progress: bool = True,
+               errors: float = 0.0):
     """SFT on the tasks' demonstrations (answers only, ``steps`` updates of AdamW with a warmup-cosine schedule
     peaking at ``learning_rate`` and gradients clipped at norm 1); returns the variables in host memory.
 
-    With ``steps=0`` the decoder's initialisation is returned untouched.
+    ``errors``: the share of demonstrations whose answer has one wrong number
+    (:func:`~dew.data.verifiable.teacher_errors`). With ``steps=0`` the decoder's
+    initialisation is returned untouched.
     """
     # A high peak rate reaches a useful policy in few steps; warmup and clipping keep it from diverging.
     warmup = min(20, steps // 4)
@@ -130,7 +143,8 @@ def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, st
                       optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)), key=key,
                       progress=progress, output_dir=output_dir)
     if steps:
-        demos = demonstration_dataset(tokenizer, tasks, seq_len=width - 1, batch=batch, seed=seed)
+        demos = demonstration_dataset(tokenizer, teacher_errors(tasks, errors, seed), seq_len=width - 1, batch=batch,
+                                      seed=seed)
         params = trainer.fit(demos, steps=steps, log_every=steps).params
     else:
         params = trainer.initial_state().params
@@ -138,9 +152,9 @@ def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, st
 
 
 def built_in_tasks(config: RLVRConfig) -> tuple[list[VerifiableTask], list[VerifiableTask]]:
-    """The run's training tasks and its held-out tasks (another stream of seeds)."""
+    """The run's training tasks and its held-out tasks (the held-out split, from another stream of seeds)."""
     train = verifiable_tasks(config.train_tasks, seed=config.seed)
-    return train, verifiable_tasks(config.eval_tasks, seed=EVAL_SEED_OFFSET + config.seed)
+    return train, verifiable_tasks(config.eval_tasks, seed=EVAL_SEED_OFFSET + config.seed, split=HELD_OUT)
 
 
 @dataclasses.dataclass

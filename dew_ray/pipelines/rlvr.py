@@ -43,7 +43,9 @@ bubblewrap runs it), the cluster has the CPUs the roles reserve, and the configu
 The run directory holds ``config.json``, ``warm_start.msgpack`` (the warm-started
 weights), ``grpo/`` (the trainers' checkpoints, every ``checkpoint_every`` updates),
 ``metrics.jsonl`` (one line per update: trainer and scheduler metrics, the tasks
-trained, wait and wall seconds), with ``verl_rows=true`` ``verl_rows/update-<step>.jsonl``
+trained, wait and wall seconds), ``held_out.jsonl`` (the held-out reward before training,
+after each of ``eval_points`` evenly spaced updates, on the weights the servers serve
+then, which the default schedule publishes one update behind, and after the last), with ``verl_rows=true`` ``verl_rows/update-<step>.jsonl``
 (that update's admitted rollouts as verl AgentLoopOutput rows, which
 ``dew.objectives.rl.verl.from_verl`` reads back), ``policy/`` (the final policy as Hugging Face
 safetensors with its tokenizer), ``rlvr.png`` (reward and throughput) and
@@ -106,6 +108,7 @@ from dew_ray.pipelines.run_dirs import PreflightError, pipeline_main, resolve_ru
 from dew_ray.placement import RolePlacement
 
 VERL_ROWS = "verl_rows"  # the run directory's folder of verl AgentLoopOutput rows (config verl_rows)
+HELD_OUT = "held_out.jsonl"  # the run directory's held-out reward curve, one {"step", "reward"} line per point
 
 __all__ = ["PreflightError", "RLVRPipeline", "RLVRPipelineConfig", "load_config", "main", "resolve_run_dir", "run"]
 
@@ -137,6 +140,7 @@ class RLVRPipeline:
         self.config, self.address = config, address
         self.run_dir = resolve_run_dir(config.run_dir)  # before anything starts, and once
         self.rows: list[dict] = []
+        self.held_out_curve: list[dict] = []  # {"step", "reward"} per held-out measurement, step 0 the warm start
         self.summary: dict | None = None
         self._started_ray = False
         self._actors: list = []
@@ -236,6 +240,7 @@ class RLVRPipeline:
         self._actors += self.trainers
         self.step_count = started[0]["step"]
         self._read_rows(self.step_count)
+        self._read_curve(self.step_count)
         self._last = time.perf_counter()
         return {"restored": started[0]["restored"], "step": self.step_count, "width": width,
                 "reward_before": self.reward_before, "parameters": sum(int(x.size) for x in _leaves(self.params))}
@@ -275,6 +280,19 @@ class RLVRPipeline:
         for written in (self.run_dir / VERL_ROWS).glob("update-*.jsonl"):
             if int(written.stem.split("-")[1]) > step:
                 written.unlink()
+
+    def _read_curve(self, step: int) -> None:
+        """The held-out points up to the restored update (the warm start's first); later ones are measured again."""
+        path = self.run_dir / HELD_OUT
+        points = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        self.held_out_curve = [point for point in points if 0 < point["step"] <= step]
+        self.held_out_curve.insert(0, {"step": 0, "reward": self.reward_before})
+        path.write_text("".join(json.dumps(point) + "\n" for point in self.held_out_curve))
+
+    def _held_out_point(self, step: int, reward: dict[str, float]) -> None:
+        self.held_out_curve.append({"step": step, "reward": reward})
+        with open(self.run_dir / HELD_OUT, "a") as file:
+            file.write(json.dumps(self.held_out_curve[-1]) + "\n")
 
     def _write_verl_rows(self, step: int, rows: list[dict]) -> None:
         """One update's admitted rollouts, every process's, as verl rows in verl_rows/update-<step>.jsonl."""
@@ -322,6 +340,8 @@ class RLVRPipeline:
                 ray.get([trainer.save.remote() for trainer in self.trainers])
             self.rows.append(row)
             new.append(row)
+            if self.step_count in self.config.eval_steps():
+                self._held_out_point(self.step_count, self._measure())
             self.metrics.record({
                 "reward_mean": row.get("rollout/reward/mean"), "update_step": row["updates"],
                 "policy_version": scheduler.get("version"), "policy_lag": scheduler.get("lag"),
@@ -346,6 +366,8 @@ class RLVRPipeline:
         params = ray.get(self.trainers[0].snapshot.remote())
         self.pool.load(params, self.step_count)
         after = self._measure()
+        if self.held_out_curve[-1]["step"] != self.step_count:
+            self._held_out_point(self.step_count, after)
         policy = self.run_dir / "policy"
         Pretrained.from_model(self.model).save(params, policy)
         self.tokenizer.save_pretrained(policy)
@@ -353,6 +375,7 @@ class RLVRPipeline:
         wall = sum(row["wall"] for row in self.rows)
         self.summary = {
             "steps": self.step_count, "reward_before": self.reward_before, "reward_after": after,
+            "held_out": self.held_out_curve,
             "wait_share": self.wait_share(), "rollout_tokens_per_second": tokens / wall if wall else None,
             "seconds": time.perf_counter() - self.started_at, "run_dir": str(self.run_dir.resolve()),
             "policy": str(policy.resolve()), "plot": str((self.run_dir / "rlvr.png").resolve()),

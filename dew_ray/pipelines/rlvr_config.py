@@ -38,7 +38,9 @@ class RLVRPipelineConfig(RLVRConfig):
     ``nvidia/nccl/lib/libnccl.so.2``); trainer_gpus: GPUs in each trainer's bundle.
     verl_rows: also write every update's admitted rollouts, all processes', as verl
     AgentLoopOutput rows (``dew.objectives.rl.verl.to_verl``, one JSON row per line) in
-    ``<run_dir>/verl_rows/update-<step>.jsonl``, beside ``metrics.jsonl``.
+    ``<run_dir>/verl_rows/update-<step>.jsonl``, beside ``metrics.jsonl``. eval_points: how
+    many times during training the held-out reward is measured besides before and after
+    (evenly spaced updates; ``held_out.jsonl`` and the plot), 0 for before and after only.
     """
 
     run_dir: str = "runs/rlvr"
@@ -57,6 +59,7 @@ class RLVRPipelineConfig(RLVRConfig):
     nccl_library: str | None = None
     trainer_gpus: float = Field(0.0, ge=0)
     verl_rows: bool = False
+    eval_points: int = Field(3, ge=0)
 
     @model_validator(mode="after")
     def _roles(self):
@@ -72,6 +75,11 @@ class RLVRPipelineConfig(RLVRConfig):
                              f"(server_gpus={self.server_gpus:g}, trainer_gpus={self.trainer_gpus:g}): an NCCL "
                              "broadcast runs from a trainer GPU into the engines' GPUs")
         return self
+
+    def eval_steps(self) -> list[int]:
+        """The updates after which the held-out reward is measured during training (``eval_points`` of them)."""
+        return sorted({round(self.steps * i / (self.eval_points + 1)) for i in range(1, self.eval_points + 1)}
+                      - {0, self.steps})
 
     def cpu_demand(self) -> dict[str, float]:
         """Ray CPUs each role reserves at once (the warm start runs before the trainers, on their share)."""

@@ -164,4 +164,5 @@ def warm_start_task(config: RLVRPipelineConfig, width: int, train):
     tokenizer = task_tokenizer()
     model = decoder(len(tokenizer), max_seq_len=width, engine=config.engine)
     return warm_start(model, tokenizer, train, width, config.sft_steps, config.sft_batch, config.sft_learning_rate,
-                      key=jax.random.fold_in(jax.random.key(config.seed), 1), seed=config.seed, progress=False)
+                      key=jax.random.fold_in(jax.random.key(config.seed), 1), seed=config.seed, progress=False,
+                      errors=config.sft_errors)

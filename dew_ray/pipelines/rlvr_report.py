@@ -10,16 +10,33 @@ matplotlib.use("Agg")  # the pipeline writes files; it never opens a window
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+SMOOTHING = 10  # updates in the training reward's moving average
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it (fewer at the start); NaNs (no reward) are skipped."""
+    out = []
+    for i in range(len(values)):
+        recent = [v for v in values[max(0, i - window + 1) : i + 1] if v == v]
+        out.append(sum(recent) / len(recent) if recent else float("nan"))
+    return out
+
+
 def plot(rows: list[dict], summary: dict, path: Path, title: str) -> None:
-    """Mean reward of the admitted rollouts per update, with the held-out reward before and after, and throughput."""
+    """The training reward per update (raw and smoothed) with the held-out reward curve, and throughput."""
     steps = [row["step"] for row in rows]
-    figure, (reward, speed) = plt.subplots(1, 2, figsize=(10, 3.2))
-    reward.plot(steps, [row.get("rollout/reward/mean", float("nan")) for row in rows], marker=".")
-    reward.axhline(summary["reward_before"]["all"], color="#999999", linestyle="--", label="held-out before")
-    reward.axhline(summary["reward_after"]["all"], color="#4477aa", linestyle="--", label="held-out after")
+    figure, (reward, speed) = plt.subplots(1, 2, figsize=(10, 3.4))
+    train = [row.get("rollout/reward/mean", float("nan")) for row in rows]
+    reward.plot(steps, train, marker=".", linestyle="none", color="#bbbbbb", label="training batch")
+    reward.plot(steps, moving_average(train, SMOOTHING), color="#228833",
+                label=f"training, mean of {SMOOTHING} updates")
+    curve = summary["held_out"]
+    reward.plot([point["step"] for point in curve], [point["reward"]["all"] for point in curve], marker="o",
+                color="#4477aa", label="held-out tasks")
     reward.set_xlabel("update")
-    reward.set_ylabel("mean reward of admitted rollouts")
-    reward.legend()
+    reward.set_ylabel("mean reward")
+    reward.set_ylim(0, 1)
+    reward.legend(fontsize=8)
     speed.plot(steps, [row.get("train/tokens", 0) / row["wall"] for row in rows], marker=".", color="#228833")
     speed.set_xlabel("update")
     speed.set_ylabel("sampled tokens trained per second")
@@ -34,6 +51,8 @@ def print_summary(summary: dict) -> None:
     families = ", ".join(f"{name} {before[name]:.3f} -> {after[name]:.3f}" for name in before if name != "all")
     share = summary["wait_share"]
     print(f"held-out reward {before['all']:.3f} -> {after['all']:.3f} ({families}) after {summary['steps']} updates")
+    curve = ", ".join(f"{point['step']}: {point['reward']['all']:.3f}" for point in summary["held_out"])
+    print(f"held-out reward by update {curve}")
     print(f"rollout tokens trained per second {summary['rollout_tokens_per_second']:.0f}; trainer waited "
           f"{'n/a' if share is None else f'{share:.1%}'} of the wall time after its first update")
     print(f"run directory {summary['run_dir']} (policy/ as Hugging Face safetensors, rlvr.png, metrics.jsonl); "
