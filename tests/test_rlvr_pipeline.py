@@ -311,8 +311,10 @@ def test_a_killed_main_job_resumes_from_its_checkpoint():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     name = f"kill-test-{os.getpid()}"
-    # 40 warm-start steps: rewards are mixed, so the updates move the policy (10 leave every reward at 0)
-    options = [*TINY, "steps=5", "sft_steps=40", "checkpoint_every=2", "max_lag=0", "ahead=0", "verl_rows=true"]
+    # 80 warm-start steps from a teacher without slips: about half the training rewards are 1, so groups are
+    # mixed and the updates move the policy (40 steps, or the default teacher's slips, leave nearly every reward 0)
+    options = [*TINY, "steps=5", "sft_steps=80", "sft_errors=0", "checkpoint_every=2", "max_lag=0", "ahead=0",
+               "verl_rows=true"]
     command = [str(Path(sys.executable).parent / "dew-ray"), "rlvr", *[f"--set={item}" for item in options]]
     killed, uninterrupted = ROOT / "runs" / name, ROOT / "runs" / f"{name}-whole"
     try:

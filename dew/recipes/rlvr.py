@@ -68,7 +68,7 @@ class RLVRConfig(Config):
     max_token_lag: GRPOObjective's per-token version bound (None: every admitted id trains).
     """
 
-    steps: int = Field(150, ge=1)
+    steps: int = Field(80, ge=1)
     seed: int = Field(0, ge=0)
     max_lag: int = Field(1, ge=0)
     ahead: int = Field(1, ge=0)
