@@ -5,7 +5,8 @@ tokenizer and a warm-start corpus, without downloading anything. This module mak
 them procedurally from a seed:
 
 - ``math`` (data source ``dew/arithmetic``): "What is forty plus seven?" answered
-  `` \\boxed{47}``: a multiple of ten 10..90 plus a digit 0..9, both as words (90 pairs). The ground truth is the answer as an integer string, which
+  `` \\boxed{47}``: a multiple of ten 10..90 plus a digit 0..9, both as words (90
+  pairs). The ground truth is the answer as an integer string, which
   :class:`~dew.sandbox.MathReward` compares with the last ``\\boxed{}`` of a completion.
 - ``code`` (data source ``dew/expression_code``): "Given a, b: print their product
   plus three." answered with a fenced one-line python program, ``print(a*b+3)``.
@@ -172,7 +173,7 @@ def held_out_specification(aggregate: int, modifier: int | None, k: int) -> bool
     return modifier is not None and (aggregate + modifier + k) % 5 == 0
 
 
-def code_task(rng: random.Random, index: int = 0, split: str = "train") -> VerifiableTask:
+def code_task(rng: random.Random, index: int = 0, split: str = TRAIN) -> VerifiableTask:
     """A code task of ``split`` drawn from ``rng``: a one-line program printing an expression of ``a`` and ``b``.
 
     Its ground truth is one case of :data:`CODE_INPUTS` input lines (module docstring);
@@ -227,7 +228,8 @@ def verifiable_tasks(count: int, seed: int = 0, families: Sequence[str] = ("math
 def teacher_errors(tasks: Sequence[VerifiableTask], share: float, seed: int = 0) -> list[VerifiableTask]:
     """The tasks with the reference answers of a fallible teacher: ``share`` of them carry one wrong number.
 
-    A picked math answer gets one of its digits replaced by another (a leading one by 1..9); a picked code answer gets its number replaced by another of 2..9, or, for a
+    A picked math answer gets one of its digits replaced by another (a leading one by
+    1..9); a picked code answer gets its number replaced by another of 2..9, or, for a
     bare aggregate, another aggregate. Only ``answer`` changes (the ground truth stays
     right), so a warm start on these demonstrations learns the rule and the teacher's
     slips with it, which a verifier's reward can then train away. Deterministic in ``seed``.

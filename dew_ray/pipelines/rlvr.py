@@ -45,7 +45,8 @@ weights), ``grpo/`` (the trainers' checkpoints, every ``checkpoint_every`` updat
 ``metrics.jsonl`` (one line per update: trainer and scheduler metrics, the tasks
 trained, wait and wall seconds), ``held_out.jsonl`` (the held-out reward before training,
 after each of ``eval_points`` evenly spaced updates, on the weights the servers serve
-then, which the default schedule publishes one update behind, and after the last), with ``verl_rows=true`` ``verl_rows/update-<step>.jsonl``
+then, which the default schedule publishes one update behind, and after the last), with
+``verl_rows=true`` ``verl_rows/update-<step>.jsonl``
 (that update's admitted rollouts as verl AgentLoopOutput rows, which
 ``dew.objectives.rl.verl.from_verl`` reads back), ``policy/`` (the final policy as Hugging Face
 safetensors with its tokenizer), ``rlvr.png`` (reward and throughput) and
@@ -273,21 +274,16 @@ class RLVRPipeline:
     def _read_rows(self, step: int) -> None:
         """Keep the metrics rows (and verl rows) of batches the restored checkpoint trained; later ones will be
         trained again."""
-        path = self.run_dir / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        self.rows = [row for row in rows if row["step"] <= step]
-        path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        self.rows = _keep_lines(self.run_dir / "metrics.jsonl", lambda row: row["step"] <= step)
         for written in (self.run_dir / VERL_ROWS).glob("update-*.jsonl"):
             if int(written.stem.split("-")[1]) > step:
                 written.unlink()
 
     def _read_curve(self, step: int) -> None:
         """The held-out points up to the restored update (the warm start's first); later ones are measured again."""
-        path = self.run_dir / HELD_OUT
-        points = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        self.held_out_curve = [point for point in points if 0 < point["step"] <= step]
-        self.held_out_curve.insert(0, {"step": 0, "reward": self.reward_before})
-        path.write_text("".join(json.dumps(point) + "\n" for point in self.held_out_curve))
+        self.held_out_curve = _keep_lines(self.run_dir / HELD_OUT, lambda point: point["step"] <= step)
+        if not self.held_out_curve:
+            self._held_out_point(0, self.reward_before)
 
     def _held_out_point(self, step: int, reward: dict[str, float]) -> None:
         self.held_out_curve.append({"step": step, "reward": reward})
@@ -408,6 +404,14 @@ class RLVRPipeline:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _keep_lines(path, keep) -> list[dict]:
+    """The JSON lines of ``path`` (none if absent) for which ``keep`` holds; the file is rewritten with those alone."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    kept = [line for line in lines if keep(line)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+    return kept
 
 
 def _leaves(tree):
