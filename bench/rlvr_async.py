@@ -16,7 +16,9 @@ train on them).
 
 Reported per mode over the seeds: the held-out gain (reward after GRPO minus after SFT, on
 the held-out split, same tasks and sampling seeds) as mean and standard error, the
-GRPO wall time, and the trainer's wait share after its first update (the scheduler
+GRPO wall time, the share of trained ids drawn 0, 1, and 2 or more updates behind the weights
+that train on them (the ids ``max_token_lag`` would weigh; the bound keeps those at or under
+it), and the trainer's wait share after its first update (the scheduler
 records' ``waited`` seconds from the second call on, over the wall time from the second
 call's start to the end of training). The plot has the training reward per update, mean
 over seeds with a band of one standard error, one line per mode. Rollout generation,
@@ -44,6 +46,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from train_rlvr import RLVRConfig, run, warm_start  # noqa: E402  (examples/ is not a package)
 
+from dew.losses.policy import LAG_BUCKETS  # noqa: E402
+
 MODES = {"async (max_lag=1, ahead=1)": {"max_lag": 1, "ahead": 1},
          "sync (max_lag=0, ahead=0)": {"max_lag": 0, "ahead": 0}}
 TOKEN_LAG_MODES = {"async 2 ahead (max_lag=2, ahead=2)": {"max_lag": 2, "ahead": 2},
@@ -70,6 +74,8 @@ def run_row(result) -> dict:
         "max_lag_seen": max((r.lag for r in result.records if r.lag is not None), default=0),
         "resubmissions": sum(sum(r.resubmissions.values()) for r in result.records),
         "train_rewards": result.train_rewards[: result.config.steps],
+        "lag_shares": {name: float(np.mean([shares[name] for shares in result.lag_shares]))
+                       for name in LAG_BUCKETS},
     }
 
 
@@ -85,6 +91,7 @@ def summarise(runs: dict[str, dict[int, dict]]) -> dict[str, dict]:
             "reward_end": mean_and_error([r["reward_end"] for r in rows])[0],
             "grpo_seconds": mean_and_error([r["grpo_seconds"] for r in rows])[0],
             "wait_share": mean_and_error([r["wait_share"] for r in rows])[0],
+            "lag_shares": {name: mean_and_error([r["lag_shares"][name] for r in rows])[0] for name in LAG_BUCKETS},
         }
     return summary
 
@@ -92,11 +99,13 @@ def summarise(runs: dict[str, dict[int, dict]]) -> dict[str, dict]:
 def print_table(summary: dict[str, dict], runs: dict[str, dict[int, dict]], steps: int) -> None:
     print(f"\n{steps} GRPO updates per run, {os.cpu_count()} CPU cores; held-out reward: "
           f"{RLVRConfig().eval_tasks} held-out tasks x {RLVRConfig().eval_samples} samples at temperature 1")
-    print(f"{'mode':<32} {'seeds':>5} {'held-out gain':>15} {'start':>6} {'end':>6} {'GRPO s':>7} {'wait share':>10}")
+    print(f"{'mode':<32} {'seeds':>5} {'held-out gain':>15} {'start':>6} {'end':>6} {'GRPO s':>7} {'wait share':>10} "
+          f"{'ids at lag 0 / 1 / 2+':>22}")
     for mode, row in summary.items():
+        lags = " / ".join(f"{100 * row['lag_shares'][name]:.1f}" for name in LAG_BUCKETS)
         print(f"{mode:<32} {len(row['seeds']):>5} {row['gain']:>+8.3f} ± {row['gain_error']:.3f} "
               f"{row['reward_start']:>6.3f} {row['reward_end']:>6.3f} {row['grpo_seconds']:>7.1f} "
-              f"{100 * row['wait_share']:>9.1f}%")
+              f"{100 * row['wait_share']:>9.1f}% {lags:>21}%")
     for mode, by_seed in runs.items():
         gains = ", ".join(f"seed {seed} {row['gain']:+.3f}" for seed, row in sorted(by_seed.items()))
         print(f"{mode:<32} {gains}")

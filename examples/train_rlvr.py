@@ -72,7 +72,9 @@ class RLVRResult:
     the wall time from then to the end of GRPO; waited, rl_after_first_seconds: those two
     numbers; records: the scheduler's record of every call; train_rewards: the mean
     reward of each batch trained on; trained_sessions: how many rollouts each update
-    trained on (admitted groups times samples when every group is whole); seconds: wall
+    trained on (admitted groups times samples when every group is whole); lag_shares: each
+    trained batch's share of sampled ids 0, 1, and 2 or more updates behind the weights it
+    trained (``GRPOJob.lag_shares``); seconds: wall
     time by phase ("sft", 0 when given a warm start, "eval_before", "grpo",
     "eval_after", "total"); parameters: the decoder's size; shared_prompts: how many
     evaluation prompts also occur among the training tasks.
@@ -89,6 +91,7 @@ class RLVRResult:
     records: list[SchedulerRecord]
     train_rewards: list[float]
     trained_sessions: list[int]
+    lag_shares: list[dict[str, float]]
     seconds: dict[str, float]
     parameters: int
     shared_prompts: int
@@ -102,6 +105,7 @@ class RLVRResult:
             "wait_share": self.wait_share, "waited": self.waited,
             "rl_after_first_seconds": self.rl_after_first_seconds,
             "train_rewards": self.train_rewards, "trained_sessions": self.trained_sessions,
+            "lag_shares": self.lag_shares,
             "seconds": self.seconds, "parameters": self.parameters, "shared_prompts": self.shared_prompts,
             "records": [{"version": r.version, "lag": r.lag, "admitted_groups": r.admitted_groups,
                          "resubmissions": r.resubmissions, "cut_groups": r.cut_groups,
@@ -236,6 +240,7 @@ def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLV
         config=config, reward_before=before["all"], reward_after=after["all"], family_before=before,
         family_after=after, wait_share=share, waited=waited, rl_after_first_seconds=after_first, records=records,
         train_rewards=[r.metrics.get("reward/mean", float("nan")) for r in records], trained_sessions=trained,
+        lag_shares=job.lag_shares,
         seconds=seconds, parameters=parameters, shared_prompts=shared_prompts(held_out, train),
     )
     if out is not None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_rollout_scheduler import FakeWeights, ids_batch, make
 
-from dew.losses.policy import token_tis_weights
+from dew.losses.policy import lag_shares, token_tis_weights
 from dew.objectives.rl import GRPOObjective
 from dew.objectives.rl.sessions import Call, Session, Status
 
@@ -85,6 +85,9 @@ def test_rescoring_tis_weights_lags_and_staleness_on_a_two_version_history():
     assert np.exp(by_hand(T1, 2, 3) - by_hand(T0, 2, 3)) > 1.5 > np.exp(by_hand(T1, 3, 4) - by_hand(T0, 3, 4)) > 1
     _, metrics = objective.loss(weights_of(T1), None, {k: jnp.asarray(v) for k, v in batch.items()}, jax.random.key(0))
     assert float(metrics["lag/share_1"]) == pytest.approx(0.5) and float(metrics["lag/share_0"]) == pytest.approx(0.5)
+    # the same shares from the host batch, as the RLVR job records them for the bench (4 of 8 ids one behind)
+    host = lag_shares(batch["lags"][:, 1:], batch["response_mask"][:, 1:] != 0)
+    assert {name: float(share) for name, share in host.items()} == {"0": 0.5, "1": 0.5, "2plus": 0.0}
     assert float(metrics["removed/max_token_lag"]) == pytest.approx(0.5)  # max_token_lag=0 drops task 7's ids
     assert float(metrics["tokens"]) == 4  # two sessions of task 8, two sampled ids each
 

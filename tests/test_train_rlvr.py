@@ -115,22 +115,25 @@ def test_held_out_split_shares_no_prompt_with_training_but_every_word():
             assert (tens // 10 + units) % 5 == 0 and task.ground_truth == f"{tens // 10}{units}"
 
 
-def test_a_fallible_teachers_answers_have_one_wrong_number():
+def test_a_fallible_teachers_slip_is_one_habit_writing_a_number_one_higher():
     tasks = verifiable_tasks(400, seed=2)
     taught = teacher_errors(tasks, 0.4, seed=7)
     assert taught == teacher_errors(tasks, 0.4, seed=7) and teacher_errors(tasks, 0.0) == tasks
     wrong = [(task, slip) for task, slip in zip(tasks, taught) if slip.answer != task.answer]
     assert 0.3 < len(wrong) / len(tasks) < 0.5
+    bare = {"a+b", "a-b", "a*b", "max(a,b)", "min(a,b)"}
     for task, slip in wrong:
         assert (slip.prompt, slip.ground_truth) == (task.prompt, task.ground_truth)  # only the answer changes
-        if task.family == "math":
-            got, want = slip.answer[len(" \\boxed{"):-1], task.ground_truth
-            assert len(got) == 2 and got[0] != "0" and sum(a != b for a, b in zip(got, want)) == 1
-        else:
-            got = slip.answer.removeprefix("```python\nprint(").removesuffix(")\n```")
-            want = task.extra_info["expression"]
-            bare = {"a+b", "a-b", "a*b", "max(a,b)", "min(a,b)"}  # a bare aggregate becomes another
-            assert got != want and (got[:-1] == want[:-1] if want[-1].isdigit() else got in bare)
+        if task.family == "math":  # forty plus nine -> 50: the sum plus one
+            assert slip.answer == f" \\boxed{{{int(task.ground_truth) + 1}}}"
+            continue
+        got = slip.answer.removeprefix("```python\nprint(").removesuffix(")\n```")
+        want = task.extra_info["expression"]
+        if want in bare:  # no number to write one higher: another aggregate
+            assert got in bare - {want}
+        else:  # "their sum times nine" -> (a+b)*10
+            assert got == want[:-1] + str(int(want[-1]) + 1)
+    assert {t.family for t, _ in wrong} == {"math", "code"}
     with pytest.raises(ValueError, match=r"share must be in \[0, 1\), got 1.0"):
         teacher_errors(tasks, 1.0)
 

@@ -226,13 +226,17 @@ def verifiable_tasks(count: int, seed: int = 0, families: Sequence[str] = ("math
 
 
 def teacher_errors(tasks: Sequence[VerifiableTask], share: float, seed: int = 0) -> list[VerifiableTask]:
-    """The tasks with the reference answers of a fallible teacher: ``share`` of them carry one wrong number.
+    """The tasks with the reference answers of a fallible teacher: ``share`` of them carry one off-by-one slip.
 
-    A picked math answer gets one of its digits replaced by another (a leading one by
-    1..9); a picked code answer gets its number replaced by another of 2..9, or, for a
-    bare aggregate, another aggregate. Only ``answer`` changes (the ground truth stays
-    right), so a warm start on these demonstrations learns the rule and the teacher's
-    slips with it, which a verifier's reward can then train away. Deterministic in ``seed``.
+    The teacher's slip is a habit, the same on every task: it writes a number one higher
+    than the right one. A picked math answer is the sum plus one (``\\boxed{48}`` for
+    forty plus seven); a picked code answer with a number has it one higher (``print(a*b+4)``
+    for "their product plus three"); a bare aggregate, which has no number, becomes another
+    aggregate. Only ``answer`` changes (the ground truth stays right). A warm start on these
+    demonstrations learns the rule and the habit with it, and samples the habit at
+    temperature 1. Because the habit is one behaviour shared by every task rather than a
+    different wrong digit each time, a verifier's reward that trains it away on the training
+    tasks trains it away on the held-out ones too. Deterministic in ``seed``.
     """
     if not 0 <= share < 1:
         raise ValueError(f"share must be in [0, 1), got {share!r}")
@@ -242,14 +246,10 @@ def teacher_errors(tasks: Sequence[VerifiableTask], share: float, seed: int = 0)
 
 def _slip(task: VerifiableTask, rng: random.Random) -> VerifiableTask:
     if task.family == "math":
-        digits = list(task.ground_truth)
-        place = rng.randrange(len(digits))
-        digits[place] = str(rng.choice([d for d in range(place == 0, 10) if str(d) != digits[place]]))
-        return dataclasses.replace(task, answer=f" \\boxed{{{''.join(digits)}}}")
+        return dataclasses.replace(task, answer=f" \\boxed{{{int(task.ground_truth) + 1}}}")
     expression = task.extra_info["expression"]
-    number = expression[-1] if expression[-1].isdigit() else None
-    if number is not None:
-        wrong = expression[:-1] + str(rng.choice([k for k in range(2, 10) if str(k) != number]))
+    if expression[-1].isdigit():  # a modified specification ends with its number, 2..9
+        wrong = f"{expression[:-1]}{int(expression[-1]) + 1}"
     else:
         wrong = rng.choice([e for _, e, _ in _AGGREGATES if e != expression])
     return dataclasses.replace(task, answer=f"```python\nprint({wrong})\n```")

@@ -332,3 +332,18 @@ def mismatch_metrics(
         "k3_kl": _masked_mean(jnp.exp(log_ratio) - log_ratio - 1, mask),
         "ess": 1.0 / _masked_mean(normalized**2, mask),
     }
+
+
+LAG_BUCKETS = ("0", "1", "2plus")  # how lag shares are reported: this lag, or 2 and more
+
+
+def lag_shares(lags: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    """The share of masked tokens whose weights are 0, 1, and 2 or more updates behind the trained ones.
+
+    lags: [rows, width] int (RolloutScheduler's ``lags`` column); mask: [rows, width] 0/1.
+    Keys are :data:`LAG_BUCKETS`; all zero when nothing is masked in. Works on host
+    (numpy) arrays as on traced ones.
+    """
+    mask = jnp.asarray(mask, jnp.float32)
+    total = jnp.maximum(mask.sum(), 1.0)
+    return {name: (mask * at).sum() / total for name, at in zip(LAG_BUCKETS, (lags == 0, lags == 1, lags >= 2))}

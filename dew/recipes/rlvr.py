@@ -42,6 +42,7 @@ from dew.data.verifiable import (
     verifiable_tasks,
 )
 from dew.inference.rollout import RolloutServer
+from dew.losses.policy import lag_shares
 from dew.objectives import LMObjective
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.sandbox import ProcessRunner, SandboxLimits, default_runner
@@ -58,9 +59,11 @@ class RLVRConfig(Config):
     of the one trained on and updates between weight pushes (max_lag >= ahead +
     sync_every - 1); tasks_per_step: prompts per GRPO batch; samples: completions per
     prompt (the group); sft_steps, sft_batch, sft_learning_rate: the warm start; sft_errors:
-    the share of its demonstrations with one wrong number (a fallible teacher's,
+    the share of its demonstrations with an off-by-one slip (a fallible teacher's,
     :func:`~dew.data.verifiable.teacher_errors`);
-    learning_rate, clip: GRPO's Adam step and gradient-norm clip; train_tasks: tasks
+    learning_rate, learning_rate_floor, clip: GRPO's Adam step, which decays along a cosine
+    from learning_rate at the first update to learning_rate x learning_rate_floor at update
+    ``steps`` (1 keeps it constant), and its gradient-norm clip; train_tasks: tasks
     the demonstrations and GRPO prompts come from; eval_tasks, eval_samples: the
     held-out measurement; max_new_tokens: the response budget; slots: each rollout
     server's concurrent draws; sandbox_workers: programs run at once (per runner);
@@ -73,13 +76,14 @@ class RLVRConfig(Config):
     max_lag: int = Field(1, ge=0)
     ahead: int = Field(1, ge=0)
     sync_every: int = Field(1, ge=1)
-    tasks_per_step: int = Field(8, ge=1)
+    tasks_per_step: int = Field(16, ge=1)
     samples: int = Field(8, ge=2)
     sft_steps: int = Field(400, ge=0)
     sft_batch: int = Field(32, ge=1)
     sft_learning_rate: float = Field(1e-2, gt=0, lt=1)
     sft_errors: float = Field(0.4, ge=0, lt=1)
-    learning_rate: float = Field(5e-4, gt=0, lt=1)
+    learning_rate: float = Field(1e-3, gt=0, lt=1)
+    learning_rate_floor: float = Field(0.1, gt=0, le=1)
     clip: float = Field(1.0, gt=0)
     train_tasks: int = Field(2000, ge=1)
     eval_tasks: int = Field(64, ge=1)
@@ -163,7 +167,9 @@ class GRPOJob:
 
     records: the scheduler's record of every call; entered: when each rollout call
     began (call i + 1 starts once update i finished); tasks: each batch's task ids;
-    sessions: how many rollouts each update trained on.
+    sessions: how many rollouts each update trained on; lag_shares: each trained batch's share
+    of sampled ids drawn 0, 1, and 2 or more updates behind the weights it trains
+    (:func:`~dew.losses.policy.lag_shares`, before ``max_token_lag`` drops any).
     """
 
     trainer: Trainer
@@ -174,6 +180,7 @@ class GRPOJob:
     entered: list[float]
     tasks: list[list[str]]
     sessions: list[int]
+    lag_shares: list[dict[str, float]]
 
     def close(self) -> None:
         self.scheduler.close()
@@ -190,7 +197,10 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     publishes through ``server`` with ``truncation="score"``; the Prompts of ``rows``
     (``loading`` orders them) in batches of ``tasks_per_step`` over all processes, each
     process packing its share times ``samples`` rows (a chain is at most one row, so no
-    group is ever cut for room); Adam with gradient clipping; checkpoints in ``output_dir``;
+    group is ever cut for room); Adam with gradient clipping, its step decaying along a cosine
+    from ``learning_rate`` to ``learning_rate x learning_rate_floor`` over ``steps`` updates (the schedule counts
+    committed updates in the optimizer state, so a resumed run continues it); checkpoints in
+    ``output_dir``;
     ``progress``: the Trainer's progress bar; ``push``: the scheduler's (a publisher every
     process calls, such as a SafetensorsReload, needs "each").
     """
@@ -211,6 +221,7 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     entered: list[float] = []
     tasks: list[list[str]] = []
     sessions: list[int] = []
+    shares: list[dict[str, float]] = []
 
     def rollout(batch, variables, version, key):
         entered.append(time.perf_counter())
@@ -218,15 +229,19 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
         out = scheduler(batch, variables, version, key)
         trained = set() if out is None else set(out["session_index"][out["response_mask"] != 0].tolist())
         sessions.append(len(trained))
+        if out is not None:  # the objective's columns: each id's lag and mask where it is predicted
+            shares.append({name: float(share) for name, share in
+                           lag_shares(out["lags"][:, 1:], out["response_mask"][:, 1:] != 0).items()})
         return out
 
     prompts = Prompts(records=list(rows), tokenizer=tokenizer, max_prompt_len=prompt_len,
                       loading=loading).load(batch=config.tasks_per_step)
-    optimizer = optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(config.learning_rate))
+    schedule = optax.cosine_decay_schedule(config.learning_rate, config.steps, alpha=config.learning_rate_floor)
+    optimizer = optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(schedule))
     trainer = Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
                       rollout=rollout, progress=progress, output_dir=output_dir)
     return GRPOJob(trainer=trainer, data=scheduler.tasks(prompts), scheduler=scheduler, source=source,
-                   records=records, entered=entered, tasks=tasks, sessions=sessions)
+                   records=records, entered=entered, tasks=tasks, sessions=sessions, lag_shares=shares)
 
 
 def measure_reward(server, reward, tokenizer, tasks: Sequence[VerifiableTask], samples: int, max_new_tokens: int,

@@ -241,8 +241,7 @@ class GRPOObjective(Objective):
                 removed("behavior_importance", (weights > 0).astype(jnp.float32))
         if "lags" in batch:
             lags = batch["lags"][:, 1:]
-            for name, at in (("0", lags == 0), ("1", lags == 1), ("2plus", lags >= 2)):
-                metrics[f"lag/share_{name}"] = (mask * at).sum() / jnp.maximum(trainable, 1.0)
+            metrics.update({f"lag/share_{name}": share for name, share in losses.lag_shares(lags, mask).items()})
             if self.max_token_lag is not None:
                 stale = lags > self.max_token_lag
                 if self.stale_token_weight:
