@@ -8,9 +8,10 @@ What it does, all in this process on CPU:
    MathReward, one-line programs run by CodeReward in a SandboxFleet), their
    character-level tokenizer and a tiny decoder (:mod:`dew.models`, 0.34M parameters);
 2. warm-starts the decoder with a short SFT on the tasks' demonstrations
-   (LMObjective on the answers only), written by a fallible teacher: ``sft_errors`` of
-   them carry one wrong number (:func:`~dew.data.verifiable.teacher_errors`), so the
-   warm start learns the rule and the slips with it;
+   (LMObjective on the answers only), written by a fallible teacher with one habit:
+   ``sft_errors`` of them write a number one higher than the right one
+   (:func:`~dew.data.verifiable.teacher_errors`), so the warm start learns the rule and
+   the habit with it;
 3. measures the mean reward on the held-out split, tasks whose prompts never occur in
    training (see :mod:`dew.data.verifiable`), sampling at temperature 1 through the
    rollout server with fixed seeds;

@@ -24,6 +24,8 @@ from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
     (dict(max_lag=0), "'max_lag' \\(0\\) must be at least ahead \\+ sync_every - 1 = 1"),  # a rule across fields
     (dict(tasks_per_step=3, trainers=2), "'tasks_per_step' \\(3\\) must divide evenly over trainers=2"),
     (dict(prompts="none.jsonl"), "'prompts' names 'none.jsonl', which is not a file"),
+    (dict(learning_rate_floor=1.5), "config field 'learning_rate_floor' must be a number <= 1, got 1.5"),
+    (dict(stale_token_weight=0.5), "'stale_token_weight' \\(0.5\\) needs max_token_lag"),
 ])
 def test_each_kind_of_bad_value_is_named(values, message):
     with pytest.raises(ConfigError, match=message):

@@ -156,3 +156,24 @@ def test_a_bad_batch_on_one_process_raises_on_every_process():
     assert [worker.returncode for worker in workers] == [3, 3], outputs
     assert "raised: RuntimeError checking the batch of step 1 failed on process 1 of 2" in outputs[0], outputs[0]
     assert "raised: " in outputs[1] and "text" in outputs[1], outputs[1]
+
+
+def test_coordinator_ports_come_from_outside_the_ephemeral_range(monkeypatch):
+    """A port from bind(0) is one the kernel also gives outgoing connections, which once took a coordinator's."""
+    import socket
+
+    from dew.inference import engines
+
+    ephemeral_low = int(engines.EPHEMERAL_RANGE.read_text().split()[0])
+    ports = {free_port() for _ in range(8)}
+    assert all(engines.LISTEN_PORTS[0] <= port < ephemeral_low for port in ports), ports
+    for port in ports:
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", port))  # still free
+    # every listening port taken: it falls back to one the kernel picks
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        held = taken.getsockname()[1]
+        monkeypatch.setattr(engines, "LISTEN_PORTS", (held, held))
+        monkeypatch.setattr(engines, "EPHEMERAL_RANGE", engines.Path("/nonexistent"))
+        assert engines.free_port() != held

@@ -31,7 +31,9 @@ occur among the training tasks, though every word of them does, in other combina
 Both families answer by a rule (a digit per number word; the symbols of the
 aggregate, the modifier and the number), so the held-out split measures whether a
 policy learned the rule, not whether it remembers answers: :func:`shared_prompts` of a
-held-out draw against any training draw is 0.
+held-out draw against any training draw is 0. :func:`teacher_errors` gives a warm start
+something to unlearn: a share of the demonstrations carry one habitual slip, a number one
+higher than the right one, which a verifier's reward can train away on every task at once.
 
 A :class:`VerifiableTask` gives its verl-style row (``data_source``, ``prompt``,
 ``reward_model.ground_truth``, ``extra_info``; :class:`~dew.data.Prompts` reads it with
@@ -248,7 +250,7 @@ def _slip(task: VerifiableTask, rng: random.Random) -> VerifiableTask:
     if task.family == "math":
         return dataclasses.replace(task, answer=f" \\boxed{{{int(task.ground_truth) + 1}}}")
     expression = task.extra_info["expression"]
-    if expression[-1].isdigit():  # a modified specification ends with its number, 2..9
+    if expression[-1].isdigit():  # a modified specification ends with its number, 2..9 (9 becomes 10)
         wrong = f"{expression[:-1]}{int(expression[-1]) + 1}"
     else:
         wrong = rng.choice([e for _, e, _ in _AGGREGATES if e != expression])

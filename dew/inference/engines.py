@@ -22,6 +22,7 @@ process group on ``close``. Its log goes to ``log`` (default: a file beside the 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -124,7 +125,33 @@ sys.exit(subprocess.Popen(sys.argv[2:], preexec_fn=death_signal).wait())
 """
 
 
+LISTEN_PORTS = (20000, 32767)  # above Ray's worker ports (10002-19999), below Linux's default ephemeral range
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` that was free a moment ago, for a server to listen on.
+
+    It is drawn outside the kernel's ephemeral range: a port the kernel hands out for
+    ``bind(0)`` is one it also hands to outgoing connections, so between this probe and
+    the server's own bind another process's connection could take it (a jax.distributed
+    coordinator lost its port that way). Falls back to ``bind(0)`` where no port of
+    :data:`LISTEN_PORTS` outside that range is free.
+    """
+    low, high = LISTEN_PORTS
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = high + 1
+    candidates = list(range(low, min(high, ephemeral_low - 1) + 1))
+    random.SystemRandom().shuffle(candidates)  # two processes probing at once rarely meet
+    for port in candidates[:64]:
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]

@@ -68,7 +68,8 @@ class RLVRConfig(Config):
     held-out measurement; max_new_tokens: the response budget; slots: each rollout
     server's concurrent draws; sandbox_workers: programs run at once (per runner);
     runner: "bwrap" (bubblewrap) or "process" (trusted code only); progress: progress bars;
-    max_token_lag: GRPOObjective's per-token version bound (None: every admitted id trains).
+    max_token_lag, stale_token_weight: GRPOObjective's per-token version bound (None: every
+    admitted id trains) and the weight of the ids past it (0 drops them).
     """
 
     steps: int = Field(80, ge=1)
@@ -94,6 +95,7 @@ class RLVRConfig(Config):
     runner: Literal["bwrap", "process"] = "bwrap"
     progress: bool = True
     max_token_lag: int | None = Field(None, ge=0)
+    stale_token_weight: float = Field(0.0, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _schedule(self):
@@ -103,6 +105,9 @@ class RLVRConfig(Config):
         if self.train_tasks < self.tasks_per_step:
             raise ValueError(f"config field 'train_tasks' ({self.train_tasks}) must fill at least one batch of "
                              f"tasks_per_step={self.tasks_per_step}")
+        if self.stale_token_weight and self.max_token_lag is None:
+            raise ValueError(f"config field 'stale_token_weight' ({self.stale_token_weight:g}) needs max_token_lag, "
+                             "the lag past which sampled ids are down-weighted")
         return self
 # A one-line program needs a fraction of this; the limits stop a runaway loop or allocation.
 SANDBOX_LIMITS = SandboxLimits(cpu_seconds=5, wall_seconds=10, memory_bytes=512 << 20, output_bytes=1 << 16)
@@ -135,7 +140,7 @@ def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, st
     """SFT on the tasks' demonstrations (answers only, ``steps`` updates of AdamW with a warmup-cosine schedule
     peaking at ``learning_rate`` and gradients clipped at norm 1); returns the variables in host memory.
 
-    ``errors``: the share of demonstrations whose answer has one wrong number
+    ``errors``: the share of demonstrations whose answer carries the teacher's off-by-one slip
     (:func:`~dew.data.verifiable.teacher_errors`). With ``steps=0`` the decoder's
     initialisation is returned untouched.
     """
@@ -169,7 +174,7 @@ class GRPOJob:
     began (call i + 1 starts once update i finished); tasks: each batch's task ids;
     sessions: how many rollouts each update trained on; lag_shares: each trained batch's share
     of sampled ids drawn 0, 1, and 2 or more updates behind the weights it trains
-    (:func:`~dew.losses.policy.lag_shares`, before ``max_token_lag`` drops any).
+    (:func:`~dew.losses.policy.lag_shares`, before ``max_token_lag`` drops or down-weights any).
     """
 
     trainer: Trainer
@@ -209,7 +214,7 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
         raise ValueError(f"tasks_per_step={config.tasks_per_step} must divide over {processes} trainer processes")
     width = prompt_len + config.max_new_tokens  # one chain: the prompt, then the response
     objective = GRPOObjective(model, seq_len=width - 1, pretrained=params, behavior_importance=2.0,
-                              max_token_lag=config.max_token_lag)
+                              max_token_lag=config.max_token_lag, stale_token_weight=config.stale_token_weight)
     source = PromptSource(server, reward, decode=tokenizer.decode, max_new_tokens=config.max_new_tokens,
                           eos_ids=(tokenizer.eos_token_id,), workers=score_workers)
     records: list[SchedulerRecord] = []
