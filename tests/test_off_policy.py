@@ -119,3 +119,41 @@ def test_token_lag_options_are_checked():
     objective = GRPOObjective(Bigram(), seq_len=WIDTH - 1, max_token_lag=1)
     with pytest.raises(ValueError, match="needs the batch field 'lags'"):
         objective.validate({"input_ids": np.zeros((1, WIDTH), np.int32)})
+
+
+def test_a_batch_the_token_bound_empties_leaves_the_weights_where_they_are():
+    """max_token_lag past every id: zero gradient. Adam would still coast on its momentum; skip_empty_updates holds."""
+    import optax
+
+    from dew.optimizers import skip_empty_updates
+
+    objective = GRPOObjective(Bigram(), seq_len=WIDTH - 1, behavior_importance=1.5, max_token_lag=0)
+    weights = FakeWeights(version=1)
+
+    def plan(task, group, n):  # every rollout drawn one update behind the trainer's weights
+        return Session(task=task, group=group, sample=0, attempt=0, calls=[draw(T0, 0)], status=Status.COMPLETED,
+                       reward=float(n % 2))
+
+    scheduler, _, _ = make(objective, plan, weights=weights, max_lag=1)
+    batch = {k: jnp.asarray(v) for k, v in scheduler(ids_batch(7, 8), weights_of(T1), 1, None).items()}
+    grads, metrics = jax.grad(objective.loss, has_aux=True)(weights_of(T1), None, batch, jax.random.key(0))
+    assert float(metrics["removed/max_token_lag"]) == 1.0 and float(metrics["tokens"]) == 0
+    assert float(optax.tree.norm(grads)) == 0.0
+
+    params = weights_of(T1)
+    real = jax.tree.map(jnp.ones_like, params)  # an earlier update's gradient, which fills Adam's momentum
+    for optimizer, moves in ((optax.adam(0.1), True), (skip_empty_updates(optax.adam(0.1)), False)):
+        state = optimizer.init(params)
+        _, state = optimizer.update(real, state, params)
+        updates, after = optimizer.update(grads, state, params)
+        # Adam's step on a zero gradient: -lr * m_hat / (sqrt(v_hat) + eps) with m = 0.9 * 0.1 = 0.09, v = 0.999e-3
+        coast = -0.1 * (0.09 / (1 - 0.9**2)) / (np.sqrt(0.999e-3 / (1 - 0.999**2)) + 1e-8)
+        # rtol: optax's bias correction 1 - 0.999^2 in float32 carries a relative error near 3e-5
+        np.testing.assert_allclose(updates["params"]["table"], coast if moves else 0.0, rtol=1e-4)
+        if not moves:  # nor does the optimizer state move: the momentum waits for the next real gradient
+            for held, before in zip(jax.tree.leaves(after), jax.tree.leaves(state)):
+                np.testing.assert_array_equal(held, before)
+    # a gradient that is not zero goes through the wrapper exactly as through Adam
+    wrapped, plain = skip_empty_updates(optax.adam(0.1)), optax.adam(0.1)
+    np.testing.assert_array_equal(wrapped.update(real, wrapped.init(params), params)[0]["params"]["table"],
+                                  plain.update(real, plain.init(params), params)[0]["params"]["table"])

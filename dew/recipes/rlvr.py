@@ -45,6 +45,7 @@ from dew.inference.rollout import RolloutServer
 from dew.losses.policy import lag_shares
 from dew.objectives import LMObjective
 from dew.objectives.rl.grpo import GRPOObjective
+from dew.optimizers import skip_empty_updates
 from dew.sandbox import ProcessRunner, SandboxLimits, default_runner
 
 RUNNERS = ("bwrap", "process")
@@ -202,7 +203,8 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     publishes through ``server`` with ``truncation="score"``; the Prompts of ``rows``
     (``loading`` orders them) in batches of ``tasks_per_step`` over all processes, each
     process packing its share times ``samples`` rows (a chain is at most one row, so no
-    group is ever cut for room); Adam with gradient clipping, its step decaying along a cosine
+    group is ever cut for room); Adam with gradient clipping (and no step on an all-zero
+    gradient: :func:`~dew.optimizers.skip_empty_updates`), its step decaying along a cosine
     from ``learning_rate`` to ``learning_rate x learning_rate_floor`` over ``steps`` updates (the schedule counts
     committed updates in the optimizer state, so a resumed run continues it); checkpoints in
     ``output_dir``;
@@ -242,7 +244,7 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     prompts = Prompts(records=list(rows), tokenizer=tokenizer, max_prompt_len=prompt_len,
                       loading=loading).load(batch=config.tasks_per_step)
     schedule = optax.cosine_decay_schedule(config.learning_rate, config.steps, alpha=config.learning_rate_floor)
-    optimizer = optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(schedule))
+    optimizer = skip_empty_updates(optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(schedule)))
     trainer = Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
                       rollout=rollout, progress=progress, output_dir=output_dir)
     return GRPOJob(trainer=trainer, data=scheduler.tasks(prompts), scheduler=scheduler, source=source,
