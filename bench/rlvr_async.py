@@ -14,21 +14,22 @@ two batches ahead (``max_lag=2, ahead=2``) as it is, with ``max_token_lag=1`` (G
 drops the sampled ids drawn two or more updates before the weights that train on them), and
 with those ids weighed 0.5 instead (``stale_token_weight=0.5``).
 
-``--repeats R`` runs every mode R times per seed from the seed's one warm start. A
-synchronous run repeats itself exactly (its draws, seeds and weights are fixed); an
-asynchronous one does not, since which ids a weight push lands between depends on timing,
-and a tiny policy's run amplifies that. A seed's figures are the mean of its repeats.
+``--repeats R`` runs every mode R times per seed from the seed's one warm start. A run need
+not repeat itself exactly: which draws share a prefill is decided by timing, the engine's
+behaviour log-probabilities (which the update weighs by) depend on it in their last bits,
+and over 80 updates a tiny policy can carry such a difference far. A seed's figures are the
+mean of its repeats.
 
 Reported per mode over the seeds: the held-out gain (reward after GRPO minus after SFT, on
 the held-out split, same tasks and sampling seeds) as mean and standard error over seeds,
-the spread of one seed's gain between repeats (standard deviation), the GRPO wall time, the share of trained ids drawn 0, 1, and 2 or more updates behind the weights
-that train on them (the ids ``max_token_lag`` would weigh; the bound keeps those at or under
-it), and the trainer's wait share after its first update (the scheduler
-records' ``waited`` seconds from the second call on, over the wall time from the second
-call's start to the end of training). The plot has the training reward per update, mean
-over seeds with a band of one standard error, one line per mode. Rollout generation,
-verification and the update share this machine's cores, so overlap buys less than it
-would with the rollouts on other devices.
+the spread of one seed's gain between repeats (standard deviation), the GRPO wall time,
+the share of trained ids drawn 0, 1, and 2 or more updates behind the weights that train
+on them (the ids ``max_token_lag`` would weigh; the bound keeps those at or under it), and
+the trainer's wait share after its first update (the scheduler records' ``waited`` seconds
+from the second call on, over the wall time from the second call's start to the end of
+training). The plot has the training reward per update, mean over seeds with a band of one
+standard error, one line per mode. Rollout generation, verification and the update share
+this machine's cores, so overlap buys less than it would with the rollouts on other devices.
 
     uv run python bench/rlvr_async.py [--seeds 0 1 2 3 4] [--repeats R] [--steps N] [--token-lag]
 
@@ -42,6 +43,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +98,7 @@ def summarise(runs: dict[str, dict[int, list[dict]]]) -> dict[str, dict]:
 
     Each seed counts once, with the mean of its repeats; the standard error is over seeds.
     ``repeat_spread`` is the mean over seeds of the standard deviation of a seed's gains
-    between repeats (NaN with one repeat): how far one run of the mode lands from another.
+    between repeats (None with one repeat): how far one run of the mode lands from another.
     """
     summary = {}
     for mode, by_seed in runs.items():
@@ -105,7 +107,7 @@ def summarise(runs: dict[str, dict[int, list[dict]]]) -> dict[str, dict]:
         spreads = [np.std([row["gain"] for row in rows], ddof=1) for rows in seeds if len(rows) > 1]
         summary[mode] = {
             "seeds": sorted(by_seed), "repeats": [len(rows) for rows in seeds], "gain": gain, "gain_error": gain_error,
-            "repeat_spread": float(np.mean(spreads)) if spreads else float("nan"),
+            "repeat_spread": float(np.mean(spreads)) if spreads else None,
             **{field: mean_and_error([per_seed(rows, field) for rows in seeds])[0]
                for field in ("reward_start", "reward_end", "grpo_seconds", "wait_share")},
             "lag_shares": {name: float(np.mean([row["lag_shares"][name] for rows in seeds for row in rows]))
@@ -121,8 +123,9 @@ def print_table(summary: dict[str, dict], runs: dict[str, dict[int, list[dict]]]
           f"{'wait share':>10} {'ids at lag 0 / 1 / 2+':>22}")
     for mode, row in summary.items():
         lags = " / ".join(f"{100 * row['lag_shares'][name]:.1f}" for name in LAG_BUCKETS)
+        spread = "-" if row["repeat_spread"] is None else f"{row['repeat_spread']:.3f}"
         print(f"{mode:<34} {len(row['seeds']):>5} {row['gain']:>+8.3f} ± {row['gain_error']:.3f} "
-              f"{row['repeat_spread']:>11.3f} {row['reward_start']:>6.3f} {row['reward_end']:>6.3f} "
+              f"{spread:>11} {row['reward_start']:>6.3f} {row['reward_end']:>6.3f} "
               f"{row['grpo_seconds']:>7.1f} {100 * row['wait_share']:>9.1f}% {lags:>21}%")
     for mode, by_seed in runs.items():
         gains = ", ".join(f"seed {seed} " + " ".join(f"{row['gain']:+.3f}" for row in rows)
@@ -156,7 +159,7 @@ def plot(runs: dict[str, dict[int, list[dict]]], summary: dict[str, dict], path:
     rewards.set_xlabel("update")
     rewards.set_ylabel("training batch reward (mean ± s.e.)")
     rewards.legend(fontsize=8)
-    gains.set_xticks(range(len(runs)), [mode.split(" (")[0] for mode in runs], fontsize=8)
+    gains.set_xticks(range(len(runs)), [textwrap.fill(mode.split(" (")[0], 16) for mode in runs], fontsize=8)
     gains.axhline(0, color="#cccccc", linewidth=0.8)
     gains.set_ylabel("held-out gain (runs; seeds' mean ± s.e.)")
     figure.tight_layout()

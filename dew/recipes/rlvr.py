@@ -205,11 +205,11 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     process packing its share times ``samples`` rows (a chain is at most one row, so no
     group is ever cut for room); Adam with gradient clipping (and no step on an all-zero
     gradient: :func:`~dew.optimizers.skip_empty_updates`), its step decaying along a cosine
-    from ``learning_rate`` to ``learning_rate x learning_rate_floor`` over ``steps`` updates (the schedule counts
-    committed updates in the optimizer state, so a resumed run continues it); checkpoints in
-    ``output_dir``;
-    ``progress``: the Trainer's progress bar; ``push``: the scheduler's (a publisher every
-    process calls, such as a SafetensorsReload, needs "each").
+    from ``learning_rate`` to ``learning_rate x learning_rate_floor`` over ``steps`` updates
+    (the schedule counts the updates in the optimizer state, so a resumed run continues
+    it); checkpoints in ``output_dir``; ``progress``: the Trainer's progress bar; ``push``:
+    the scheduler's (a publisher every process calls, such as a SafetensorsReload, needs
+    "each").
     """
     processes = jax.process_count()
     if config.tasks_per_step % processes:
