@@ -183,3 +183,47 @@ def test_unknown_model_and_option_raise():
         models.build("gpt")
     with pytest.raises(TypeError, match="causal_transformer"):
         build(hidden_size=3)
+
+
+@pytest.mark.parametrize("weight_axis", [0, 1])
+def test_a_float32_weight_product_differentiates_like_the_plain_product(weight_axis):
+    from dew.models.transformer import weight_product
+
+    x = jax.random.normal(jax.random.key(0), (2, 5, 6))
+    weight = jax.random.normal(jax.random.key(1), (6, 4) if weight_axis == 0 else (4, 6))
+    dims = (((2,), (weight_axis,)), ((), ()))
+    cotangent = jax.random.normal(jax.random.key(2), (2, 5, 4))
+
+    def loss(product):
+        return lambda x, w: (product(x, w, dims) * cotangent).sum()
+
+    ours = jax.grad(loss(weight_product(jnp.float32)), argnums=(0, 1))(x, weight)
+    plain = jax.grad(loss(jax.lax.dot_general), argnums=(0, 1))(x, weight)
+    for got, want in zip(ours, plain):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_compute_takes_bfloat16_operands_in_the_backward_pass_too():
+    model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1, num_heads=2,
+                         mlp_features=32, max_seq_len=8, matmul_dtype=jnp.bfloat16)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    variables = model.init(jax.random.key(0), tokens)
+    grads = jax.grad(lambda v: model.apply(v, tokens).sum())
+
+    def all_products(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    yield from all_products(inner)
+
+    products = list(all_products(jax.make_jaxpr(grads)(variables).jaxpr))
+    weight_products = [e for e in products if any(v.aval.ndim == 2 for v in e.invars)]
+    # 7 weight products and the tied output layer, each once forward and twice backward.
+    assert len(weight_products) == 3 * 8
+    assert all(v.aval.dtype == jnp.bfloat16 for e in weight_products for v in e.invars)
+    assert all(e.outvars[0].aval.dtype == jnp.float32 for e in weight_products)
+    gradient = jax.tree.leaves(grads(variables))
+    assert all(leaf.dtype == jnp.float32 for leaf in gradient)

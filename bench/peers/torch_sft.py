@@ -1,9 +1,11 @@
 """Peer for bench/sft_step.py: a plain torch training loop on transformers' Qwen3 (run in .venv-ref).
 
-Prints one JSON line: {"steps_per_second": ..., "torch": version, "transformers": version}.
+float32, no gradient checkpointing. Prints one JSON line: {"steps_per_second", "peak_rss_gib", "torch",
+"transformers"}.
 """
 
 import json
+import resource
 import sys
 import time
 
@@ -35,7 +37,8 @@ def main(steps: int, rows: int, width: int, threads: int) -> None:
     for _ in range(steps):
         step()
     rate = steps / (time.perf_counter() - start)
-    print(json.dumps({"steps_per_second": rate, "torch": torch.__version__, "transformers": transformers.__version__}))
+    print(json.dumps({"steps_per_second": rate, "torch": torch.__version__, "transformers": transformers.__version__,
+                      "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 
 
 if __name__ == "__main__":

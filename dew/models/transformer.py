@@ -29,8 +29,10 @@ Options for the families: grouped-query attention (``num_kv_heads``), an explici
 ``head_dim``, RoPE theta, RMSNorm epsilon, SwiGLU or GELU MLP, Qwen3's QK-norm,
 tied or untied embeddings, attention bias (Qwen2) and a final-logit softcap.
 ``matmul_dtype=jnp.bfloat16`` runs the weight products on bfloat16 operands with
-float32 accumulation while norms, rotary, attention and the residual stream stay in the
-compute dtype: the Server serves that way in bfloat16.
+float32 accumulation, in the forward pass and in both of their gradients, while norms,
+rotary, attention and the residual stream stay in the compute dtype: the Server serves
+that way in bfloat16, and training with float32 master weights and bfloat16 compute
+(``matmul_dtype`` on a float32 model) takes the same products.
 Parameter names follow Hugging Face's module names so checkpoints map one to one.
 """
 
@@ -122,37 +124,96 @@ def init_cache(model: "CausalTransformer", batch: int, capacity: int, dtype=None
     )
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate halves of ``x`` [batch, length, heads, dim] by ``positions`` [batch, length] (HF's rotate_half)."""
-    dim = x.shape[-1]
+def rotary_table(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the rotary angles of ``positions`` [batch, length], each [batch, length, 1, dim] float32.
+
+    Computed once per forward pass and shared by every layer's queries and keys.
+    """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, dim/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotary(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate halves of ``x`` [batch, length, heads, dim] by a :func:`rotary_table` (HF's rotate_half)."""
+    cos, sin = table
     first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([-second, first], -1)
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def weight_product(dtype):
-    """A ``dot_general`` whose operands are cast to ``dtype`` and that accumulates in float32.
+def weight_product(dtype, result_dtype=jnp.float32):
+    """A ``dot_general`` whose operands are cast to ``dtype``, accumulating in float32, returning ``result_dtype``.
 
     With bfloat16 weights this is the served-precision product: bfloat16 operands (the
     weights stay as stored; XLA folds the upcast and downcast of the kernel away) with a
-    float32 result, which CPUs with AVX512-BF16 or AMX and GPUs run natively.
+    float32 result, which CPUs with AVX512-BF16 or AMX and GPUs run natively. Its
+    gradients are the same kind of product (see :func:`_activation_weight_product`).
     """
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, **_):
-        return jax.lax.dot_general(
-            lhs.astype(dtype), rhs.astype(dtype), dimension_numbers, precision=precision,
-            preferred_element_type=jnp.float32,
-        )
+        (lhs_contract, rhs_contract), batch_dims = dimension_numbers
+        if (
+            batch_dims == ((), ()) and rhs.ndim == 2 and tuple(lhs_contract) == (lhs.ndim - 1,)
+            and len(rhs_contract) == 1
+        ):
+            product = _activation_weight_product(jnp.dtype(dtype), int(rhs_contract[0]), lhs, rhs)
+        else:
+            product = jax.lax.dot_general(
+                lhs.astype(dtype), rhs.astype(dtype), dimension_numbers, precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+        return product.astype(result_dtype)
 
     return dot_general
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _activation_weight_product(dtype, weight_axis, x, weight):
+    """``x [..., in]`` times a 2-D ``weight`` contracted on ``weight_axis``: float32 out of ``dtype`` operands."""
+    return _contract(x.astype(dtype), weight.astype(dtype), ((x.ndim - 1,), (weight_axis,)))
+
+
+def _contract(lhs, rhs, contracting):
+    return jax.lax.dot_general(lhs, rhs, (contracting, ((), ())), preferred_element_type=jnp.float32)
+
+
+def _activation_weight_product_forward(dtype, weight_axis, x, weight):
+    # The operands are kept as the product read them (half the memory of float32 activations
+    # with bfloat16 operands); the zero-size arrays remember the dtypes the gradients take.
+    x_low, weight_low = x.astype(dtype), weight.astype(dtype)
+    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), weight.dtype))
+    return _contract(x_low, weight_low, ((x.ndim - 1,), (weight_axis,))), (x_low, weight_low, dtypes)
+
+
+def _activation_weight_product_backward(dtype, weight_axis, saved, grad):
+    # Both gradients are products of ``dtype`` operands accumulated in float32, like the forward
+    # product. The barrier keeps XLA from fusing the (transposing) operand layout the weight
+    # gradient wants into the elementwise code that produced ``grad`` (a SwiGLU's derivative, say):
+    # a transposed write inside an elementwise loop ran several times slower than the loop and a
+    # separate transpose on this CPU.
+    x_low, weight_low, (x_dtype, weight_dtype) = saved
+    grad = jax.lax.optimization_barrier(grad.astype(dtype))
+    grad_x = _contract(grad, weight_low, ((grad.ndim - 1,), (1 - weight_axis,)))
+    rows_x, rows_grad = x_low.reshape(-1, x_low.shape[-1]), grad.reshape(-1, grad.shape[-1])
+    if weight_axis == 0:  # weight [in, out]
+        grad_weight = _contract(rows_x, rows_grad, ((0,), (0,)))
+    else:  # weight [out, in] (a tied embedding read as the output layer)
+        grad_weight = _contract(rows_grad, rows_x, ((0,), (0,)))
+    return grad_x.astype(x_dtype.dtype), grad_weight.astype(weight_dtype.dtype)
+
+
+_activation_weight_product.defvjp(_activation_weight_product_forward, _activation_weight_product_backward)
+
+
+def _product(dtype, matmul_dtype):
+    """The weight product of a layer: ``matmul_dtype`` operands with a float32 result, or the compute dtype's."""
+    return weight_product(dtype, dtype) if matmul_dtype is None else weight_product(matmul_dtype)
+
+
 def _dense(features, name, bias, dtype, param_dtype, matmul_dtype):
-    product = None if matmul_dtype is None else weight_product(matmul_dtype)
+    product = _product(dtype, matmul_dtype)
     return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=param_dtype, dot_general=product, name=name)
 
 
@@ -169,7 +230,7 @@ class Attention(nn.Module):
     matmul_dtype: jnp.dtype | None = None
 
     @nn.compact
-    def __call__(self, x, positions, mask, write=None):
+    def __call__(self, x, rotation, mask, write=None):
         batch, length, _ = x.shape
         dense = lambda features, name, bias: _dense(  # noqa: E731
             features, name, bias, self.dtype, self.param_dtype, self.matmul_dtype
@@ -185,8 +246,8 @@ class Attention(nn.Module):
                 epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name
             )
             q, k = norm("q_norm")(q), norm("k_norm")(k)
-        q = rotary(q, positions, self.rope_theta)
-        k = rotary(k, positions, self.rope_theta)
+        q = rotary(q, rotation)
+        k = rotary(k, rotation)
 
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, groups, self.head_dim)
@@ -198,23 +259,26 @@ class Attention(nn.Module):
             # CPU dot runs several times faster than when it has to transpose an operand.
             scores = jnp.concatenate([
                 jnp.matmul(q[:, 0], block.astype(q.dtype), preferred_element_type=jnp.float32) for block in _blocks(k)
-            ], axis=-1)[:, :, :, None]
+            ], axis=-1)[:, :, None]
         else:
             if isinstance(k, tuple):  # a prefill that reads a blocked cache
                 k, v = jnp.concatenate(k, axis=-1), jnp.concatenate(v, axis=-2)
-            scores = jnp.einsum(f"btkgd,{key_spec}->bkgts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+            # Scores as [B, K, T, G, S]: moving the kv-head axis ahead of the positions moves runs of
+            # G x D values, where [B, K, G, T, S] would transpose single values (several times slower
+            # in XLA's CPU loops, forward and backward).
+            scores = jnp.einsum(f"btkgd,{key_spec}->bktgs", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(mask[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         if length == 1 and value_spec == "bksd":
             out, start = 0, 0
             for block in _blocks(v):
                 size = block.shape[2]
-                out = out + jnp.matmul(weights[:, :, :, 0, start:start + size], block.astype(self.dtype))
+                out = out + jnp.matmul(weights[:, :, 0, :, start:start + size], block.astype(self.dtype))
                 start += size
             out = out[:, None]
         else:
-            out = jnp.einsum(f"bkgts,{value_spec}->btkgd", weights, v.astype(self.dtype))
+            out = jnp.einsum(f"bktgs,{value_spec}->btkgd", weights, v.astype(self.dtype))
         out = out.reshape(batch, length, self.num_heads * self.head_dim)
         return dense(x.shape[-1], "o_proj", False)(out)
 
@@ -260,7 +324,7 @@ class Block(nn.Module):
     config: LayerOptions
 
     @nn.compact
-    def __call__(self, x, positions, mask, write=None):
+    def __call__(self, x, rotation, mask, write=None):
         c = self.config
         norm = lambda name: nn.RMSNorm(  # noqa: E731
             epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name
@@ -269,7 +333,7 @@ class Block(nn.Module):
             c.num_heads, c.kv_heads, c.head_size, c.rope_theta, c.norm_eps, c.qk_norm,
             c.attention_bias, c.dtype, c.param_dtype, c.matmul_dtype, name="self_attn",
         )
-        x = x + attention(norm("input_layernorm")(x), positions, mask, write)
+        x = x + attention(norm("input_layernorm")(x), rotation, mask, write)
         mlp = MLP(c.mlp_features, c.mlp_activation, c.dtype, c.param_dtype, c.matmul_dtype, name="mlp")
         return x + mlp(norm("post_attention_layernorm")(x))
 
@@ -331,9 +395,10 @@ class CausalTransformer(nn.Module):
             self.attention_bias, self.mlp_features, self.mlp_activation, self.dtype, self.param_dtype,
             self.matmul_dtype,
         )
+        rotation = rotary_table(positions, self.head_size, self.rope_theta)
         for layer in range(self.num_layers):
             layer_write = None if write is None else functools.partial(write, layer)
-            x = Block(options, name=f"layers_{layer}")(x, positions, mask, layer_write)
+            x = Block(options, name=f"layers_{layer}")(x, rotation, mask, layer_write)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         x = nn.RMSNorm(epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
@@ -341,10 +406,8 @@ class CausalTransformer(nn.Module):
             if cache is not None:
                 raise ValueError("hidden=True returns hidden states of a packed forward pass, not of a cached one")
             return x
-        if self.tie_embeddings and self.matmul_dtype is None:
-            logits = embed.attend(x)
-        elif self.tie_embeddings:
-            logits = weight_product(self.matmul_dtype)(x, embed.embedding, (((x.ndim - 1,), (1,)), ((), ())))
+        if self.tie_embeddings:
+            logits = _product(self.dtype, self.matmul_dtype)(x, embed.embedding, (((x.ndim - 1,), (1,)), ((), ())))
         else:
             logits = _dense(self.vocab_size, "lm_head", False, self.dtype, self.param_dtype, self.matmul_dtype)(x)
         logits = logits.astype(jnp.float32)

@@ -65,11 +65,33 @@ def segment_ids_of(batch: Mapping[str, jax.Array]) -> jax.Array | None:
     return None
 
 
+@jax.custom_vjp
 def token_log_probs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """log p(target) per position: logits [rows, width, vocab], targets [rows, width] -> [rows, width]."""
+    """log p(target) per position: logits [rows, width, vocab], targets [rows, width] -> [rows, width].
+
+    Its gradient is the log-softmax's written out, ``g * (onehot(target) - softmax)``, one
+    elementwise pass over the logits: differentiating the gather instead scatters into a
+    zeroed [rows, width, vocab] array, which took about 45 ms of a 700 ms SFT step on
+    this CPU (8 x 128 targets, vocabulary 8192).
+    """
+    return _token_log_probs_forward(logits, targets)[0]
+
+
+def _token_log_probs_forward(logits, targets):
     log_z = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return picked - log_z
+    return picked - log_z, (logits, targets, log_z)
+
+
+def _token_log_probs_backward(saved, grad):
+    logits, targets, log_z = saved
+    chosen = jnp.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
+    softmax = jnp.exp(logits - log_z[..., None])
+    grad_logits = grad[..., None] * (chosen.astype(logits.dtype) - softmax)
+    return grad_logits.astype(logits.dtype), None
+
+
+token_log_probs.defvjp(_token_log_probs_forward, _token_log_probs_backward)
 
 
 class LMObjective(Objective):
