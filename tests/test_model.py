@@ -227,3 +227,10 @@ def test_bfloat16_compute_takes_bfloat16_operands_in_the_backward_pass_too():
     assert all(e.outvars[0].aval.dtype == jnp.float32 for e in weight_products)
     gradient = jax.tree.leaves(grads(variables))
     assert all(leaf.dtype == jnp.float32 for leaf in gradient)
+
+
+def test_a_weight_product_refuses_a_contraction_it_was_not_written_for():
+    from dew.models.transformer import weight_product
+
+    with pytest.raises(ValueError, match="contracts an activation's last axis with one axis of a 2-D weight"):
+        weight_product(jnp.float32)(jnp.ones((2, 3)), jnp.ones((2, 4)), (((0,), (0,)), ((), ())))

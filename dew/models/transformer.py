@@ -153,25 +153,28 @@ def weight_product(dtype, result_dtype=jnp.float32):
     """
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, **_):
+        # Every weight product here contracts an activation's last axis with one axis of a
+        # 2-D weight (nn.Dense's kernel, or the tied embedding read as the output layer).
         (lhs_contract, rhs_contract), batch_dims = dimension_numbers
-        if (
-            batch_dims == ((), ()) and rhs.ndim == 2 and tuple(lhs_contract) == (lhs.ndim - 1,)
-            and len(rhs_contract) == 1
-        ):
-            product = _activation_weight_product(jnp.dtype(dtype), int(rhs_contract[0]), lhs, rhs)
-        else:
-            product = jax.lax.dot_general(
-                lhs.astype(dtype), rhs.astype(dtype), dimension_numbers, precision=precision,
-                preferred_element_type=jnp.float32,
+        if batch_dims != ((), ()) or rhs.ndim != 2 or tuple(lhs_contract) != (lhs.ndim - 1,) or len(rhs_contract) != 1:
+            raise ValueError(
+                "weight_product contracts an activation's last axis with one axis of a 2-D weight, got "
+                f"dimension_numbers={dimension_numbers} for shapes {lhs.shape} and {rhs.shape}"
             )
+        product = _activation_weight_product(
+            jnp.dtype(dtype), int(rhs_contract[0]), jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), lhs, rhs
+        )
         return product.astype(result_dtype)
 
     return dot_general
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _activation_weight_product(dtype, weight_axis, x, weight):
-    """``x [..., in]`` times a 2-D ``weight`` contracted on ``weight_axis``: float32 out of ``dtype`` operands."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _activation_weight_product(dtype, weight_axis, x_dtype, weight_dtype, x, weight):
+    """``x [..., in]`` times a 2-D ``weight`` contracted on ``weight_axis``: float32 out of ``dtype`` operands.
+
+    ``x_dtype`` and ``weight_dtype`` are the operands' own dtypes, which their gradients take.
+    """
     return _contract(x.astype(dtype), weight.astype(dtype), ((x.ndim - 1,), (weight_axis,)))
 
 
@@ -179,21 +182,20 @@ def _contract(lhs, rhs, contracting):
     return jax.lax.dot_general(lhs, rhs, (contracting, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _activation_weight_product_forward(dtype, weight_axis, x, weight):
-    # The operands are kept as the product read them (half the memory of float32 activations
-    # with bfloat16 operands); the zero-size arrays remember the dtypes the gradients take.
+def _activation_weight_product_forward(dtype, weight_axis, x_dtype, weight_dtype, x, weight):
+    # The operands are kept as the product read them: half the memory of float32 activations
+    # with bfloat16 operands, and no second cast in the backward pass.
     x_low, weight_low = x.astype(dtype), weight.astype(dtype)
-    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), weight.dtype))
-    return _contract(x_low, weight_low, ((x.ndim - 1,), (weight_axis,))), (x_low, weight_low, dtypes)
+    return _contract(x_low, weight_low, ((x.ndim - 1,), (weight_axis,))), (x_low, weight_low)
 
 
-def _activation_weight_product_backward(dtype, weight_axis, saved, grad):
+def _activation_weight_product_backward(dtype, weight_axis, x_dtype, weight_dtype, saved, grad):
     # Both gradients are products of ``dtype`` operands accumulated in float32, like the forward
     # product. The barrier keeps XLA from fusing the (transposing) operand layout the weight
     # gradient wants into the elementwise code that produced ``grad`` (a SwiGLU's derivative, say):
     # a transposed write inside an elementwise loop ran several times slower than the loop and a
     # separate transpose on this CPU.
-    x_low, weight_low, (x_dtype, weight_dtype) = saved
+    x_low, weight_low = saved
     grad = jax.lax.optimization_barrier(grad.astype(dtype))
     grad_x = _contract(grad, weight_low, ((grad.ndim - 1,), (1 - weight_axis,)))
     rows_x, rows_grad = x_low.reshape(-1, x_low.shape[-1]), grad.reshape(-1, grad.shape[-1])
@@ -201,7 +203,7 @@ def _activation_weight_product_backward(dtype, weight_axis, saved, grad):
         grad_weight = _contract(rows_x, rows_grad, ((0,), (0,)))
     else:  # weight [out, in] (a tied embedding read as the output layer)
         grad_weight = _contract(rows_grad, rows_x, ((0,), (0,)))
-    return grad_x.astype(x_dtype.dtype), grad_weight.astype(weight_dtype.dtype)
+    return grad_x.astype(x_dtype), grad_weight.astype(weight_dtype)
 
 
 _activation_weight_product.defvjp(_activation_weight_product_forward, _activation_weight_product_backward)
