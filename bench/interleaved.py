@@ -27,13 +27,13 @@ def measure(command: list[str]) -> dict:
 
 
 def run_rounds(commands: dict[str, list[str]], rounds: int, show: str = "steps_per_second") -> dict[str, list[dict]]:
-    """Every command once per round, in order; prints each round's ``show`` figures."""
+    """Every command once per round, in order; prints each round's ``show`` figures (of the records that have one)."""
     records: dict[str, list[dict]] = {name: [] for name in commands}
     for index in range(rounds):
         for name, command in commands.items():
             records[name].append(measure(command))
-        print(f"round {index + 1}/{rounds}: " + ", ".join(f"{name} {r[-1][show]:.3f}" for name, r in records.items()),
-              flush=True)
+        shown = (f"{name} {r[-1][show]:.3f}" for name, r in records.items() if show in r[-1])
+        print(f"round {index + 1}/{rounds}: " + ", ".join(shown), flush=True)
     return records
 
 
