@@ -132,8 +132,36 @@ def test_templates_without_chat_support_or_with_rewrites_are_refused(tmp_path):
     tokenizer.chat_template = "{% for m in messages %}{% if loop.last %}[{{ m.content }}]{% else %}{{ m.content }}{% endif %}{% endfor %}"
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation}])
-    with pytest.raises(RecordError, match="the chat template changes earlier tokens when it renders"):
+    with pytest.raises(RecordError, match="the chat template changes earlier tokens when it renders message 1 "
+                                          "\\(its text differs from the render before at character 0: '\\[hi\\]' became 'hi\\[yo\\]'"):
         ChatMessages(tokenizer=tokenizer, path=path, seq_len=31).load(batch=1)
+
+
+def test_a_render_that_ends_inside_a_token_is_refused(tmp_path):
+    # No separators: the user's "To" and the assistant's "m" render as "Tom", one token of the story
+    # vocabulary, which would belong to both messages.
+    tokenizer = story_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert tokenizer.tokenize("Tom") == ["Tom"]
+    conversation = [{"role": "user", "content": "To"}, {"role": "assistant", "content": "m"}]
+    chat = ChatMessages(tokenizer=tokenizer, path=write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation}]),
+                        seq_len=31)
+    with pytest.raises(RecordError, match="the render of message 0 ends at character 2, inside token 0 \\('Tom'\\)"):
+        chat.load(batch=1)
+    # The same messages with a separator the tokenizer splits on get their roles.
+    ids, roles = chat.render([{"role": "user", "content": "To "}, {"role": "assistant", "content": "m"}])
+    assert roles == [Role.USER] * (len(ids) - 1) + [Role.ASSISTANT]
+
+
+def test_a_tokenizer_without_offsets_is_refused(tmp_path):
+    from transformers import PreTrainedTokenizer
+
+    class Letters(PreTrainedTokenizer):  # a python tokenizer: no character offsets
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(ValueError, match="is not a fast \\(Rust tokenizers\\) one"):
+        ChatMessages(tokenizer=Letters.__new__(Letters), path=path, seq_len=31)
 
 
 def test_sft_on_chat_rows_counts_only_assistant_targets(tmp_path):

@@ -8,15 +8,18 @@ counts only targets of one role, usually ``Role.ASSISTANT``.
 prefix at a time: the ids a message adds to the render of the messages before it get
 that message's role. Before an assistant message the template's generation header
 (``add_generation_prompt``) is rendered on its own and gets ``Role.HEADER``, so the
-assistant span starts after it. Every tokenized prefix must be the start of the
-longer render; a template that rewrites earlier tokens (Qwen3's original template
-drops earlier reasoning, for example) raises, because no per-token role would be
-right for it. This check does not prove the masks right for every template: look at
-``render(messages)`` for typical conversations before a real run.
+assistant span starts after it. Every prefix's render must be the start of the longer
+render and end on a boundary between two of its tokens (the full render is tokenized
+once, and the tokens' character offsets place each boundary); a template that
+rewrites earlier tokens (Qwen3's original template drops earlier reasoning, for
+example) raises, and so does a render that ends inside a token, because no per-token
+role would be right for either. This check does not prove the masks right for every
+template: look at ``render(messages)`` for typical conversations before a real run.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import json
@@ -78,6 +81,12 @@ def load_tokenizer(tokenizer):
         raise ValueError(
             f"the tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} has no chat template; "
             "ChatMessages needs one to turn messages into tokens (set tokenizer.chat_template)"
+        )
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} is not a fast "
+            "(Rust tokenizers) one; ChatMessages gives tokens roles from their character offsets, which only fast "
+            "tokenizers report"
         )
     return tokenizer
 
@@ -161,55 +170,110 @@ class ChatMessages(PartitionedLoader):
         except Exception as error:  # a template's own checks raise many types
             raise record.error(self.column, f"the chat template refused message {index} ({error})") from None
 
-    def render(self, messages: Sequence[Mapping], tools: Sequence | None = None, record: Record | None = None):
-        """Token ids and roles ``(list[int], list[Role])`` of one conversation.
+    def _texts(self, prefixes: list[tuple[int, bool]], messages, tools, record: Record) -> list[str]:
+        """The renders of ``messages[:end]`` (with the generation header where asked), in order.
 
-        Renders every prefix that ends a turn (and, before each assistant message, the
-        prefix with the generation header), tokenizes them together, and gives the ids
-        each render adds to the role of the message (or ``Role.HEADER``).
+        Two calls of transformers' renderer (one per ``add_generation_prompt`` value) take
+        every prefix, with what ``apply_chat_template`` gives the template (the special
+        tokens' names): one call per prefix costs more than the render itself. A template
+        that refuses a prefix is rendered again one prefix at a time to name the message.
         """
-        record = record or Record("messages", 0, {})
-        texts: list[str] = []
-        labels: list[tuple[Role, int, str]] = []
+        from transformers.utils.chat_template_utils import render_jinja_template  # slow to import; chat loading only
+
+        template = self.tokenizer.get_chat_template(None, tools)
+        names = self.tokenizer.special_tokens_map
+        texts: list[str | None] = [None] * len(prefixes)
+        for generation in (False, True):
+            where = [k for k, (_, asked) in enumerate(prefixes) if asked == generation]
+            if not where:
+                continue
+            try:
+                rendered, _ = render_jinja_template([messages[: prefixes[k][0]] for k in where], tools=tools,
+                                                    chat_template=template, add_generation_prompt=generation, **names)
+            except Exception:  # a template's own checks raise many types; find the message it refused
+                for end, asked in prefixes:
+                    self._text(messages[:end], tools, asked, record, end - 1 if not asked else end)
+                raise
+            for k, text in zip(where, rendered, strict=True):
+                texts[k] = text
+        return texts
+
+    def _renders(self, messages: Sequence[Mapping], tools, record: Record) -> tuple[list[str], list[tuple[Role, str]]]:
+        """Each prefix's render with the role of what it adds, checked to extend the render before it."""
+        prefixes: list[tuple[int, bool]] = []  # (messages rendered, with the generation header)
+        labels: list[tuple[Role, str]] = []
         for index, message in enumerate(messages):
             role = MESSAGE_ROLES[message["role"]]
             if role == Role.ASSISTANT:
-                texts.append(self._text(messages[:index], tools, True, record, index))
-                labels.append((Role.HEADER, index, "the generation header"))
+                prefixes.append((index, True))
+                labels.append((Role.HEADER, "the generation header"))
             elif index + 1 < len(messages) and messages[index + 1]["role"] == message["role"]:
                 # A run of same-role messages (consecutive tool results) is one turn: templates close
                 # the turn only after its last message, so the prefix is taken at the end of the run.
                 continue
-            texts.append(self._text(messages[: index + 1], tools, False, record, index))
-            labels.append((role, index, f"message {index}"))
-        # One call tokenizes every prefix (the fast tokenizer's batch path).
-        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        ids: list[int] = []
-        roles: list[int] = []
-        for rendered, (role, index, what) in zip(encoded, labels):
-            added = self._extend(ids, list(rendered), record, index, what)
-            ids += added
-            roles += [role] * len(added)
-        return ids, roles
+            prefixes.append((index + 1, False))
+            labels.append((role, f"message {index}"))
+        texts = self._texts(prefixes, list(messages), tools, record)
+        for earlier, text, (_, what) in zip(texts, texts[1:], labels[1:]):
+            if not text.startswith(earlier):
+                at = next((i for i, (a, b) in enumerate(zip(earlier, text)) if a != b), min(len(earlier), len(text)))
+                raise record.error(
+                    self.column,
+                    f"the chat template changes earlier tokens when it renders {what} (its text differs from the "
+                    f"render before at character {at}: {earlier[at : at + 20]!r} became {text[at : at + 20]!r}); "
+                    "per-token roles need a template whose renders extend each other",
+                )
+        return texts, labels
 
-    def _extend(self, ids: list[int], rendered: list[int], record: Record, index: int, what: str) -> list[int]:
-        if rendered[: len(ids)] != ids:
-            at = next((i for i, (a, b) in enumerate(zip(ids, rendered)) if a != b), min(len(ids), len(rendered)))
-            raise record.error(
-                self.column,
-                f"the chat template changes earlier tokens when it renders {what} (first difference at token {at}); "
-                "per-token roles need a template whose renders extend each other",
-            )
-        return rendered[len(ids) :]
+    def _roles(self, texts: list[str], labels, offsets: Sequence[tuple[int, int]], record: Record) -> list[int]:
+        """The role of each token of the full render, whose character spans are ``offsets``."""
+        ends = [end for _, end in offsets]
+        roles: list[int] = []
+        for text, (role, what) in zip(texts, labels):
+            count = bisect.bisect_right(ends, len(text))
+            if count < len(offsets) and offsets[count][0] < len(text):
+                start, end = offsets[count]
+                raise record.error(
+                    self.column,
+                    f"the render of {what} ends at character {len(text)}, inside token {count} "
+                    f"({texts[-1][start:end]!r}) of the longer render, so that token would have two roles; "
+                    "per-token roles need renders that end on token boundaries",
+                )
+            roles += [role] * (count - len(roles))
+        return roles
+
+    def render(self, messages: Sequence[Mapping], tools: Sequence | None = None, record: Record | None = None):
+        """Token ids and roles ``(list[int], list[Role])`` of one conversation.
+
+        Renders every prefix that ends a turn (and, before each assistant message, the
+        prefix with the generation header), checks that each render is the start of the
+        next, tokenizes the full render once and gives the ids each render adds to the
+        role of the message (or ``Role.HEADER``). A render that ends inside a token of
+        the full render raises, since that token would belong to two messages.
+        """
+        record = record or Record("messages", 0, {})
+        texts, labels = self._renders(messages, tools, record)
+        encoding = self.tokenizer(texts[-1], add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoding["input_ids"]), self._roles(texts, labels, encoding["offset_mapping"], record)
+
+    def encode_many(self, records: Sequence[Record]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, roles)`` arrays of each record; one tokenizer call takes every full render."""
+        rendered = [self._renders(*self.messages_of(record), record) for record in records]
+        encodings = self.tokenizer([texts[-1] for texts, _ in rendered], add_special_tokens=False,
+                                   return_offsets_mapping=True)
+        out = []
+        for record, (texts, labels), ids, offsets in zip(
+            records, rendered, encodings["input_ids"], encodings["offset_mapping"], strict=True
+        ):
+            if len(ids) > self.seq_len + 1:
+                raise record.error(
+                    self.column, f"renders to {len(ids)} tokens, more than seq_len + 1 = {self.seq_len + 1}"
+                )
+            out.append((np.asarray(ids, np.int32), np.asarray(self._roles(texts, labels, offsets, record), np.int8)))
+        return out
 
     def encode(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
-        messages, tools = self.messages_of(record)
-        ids, roles = self.render(messages, tools, record)
-        if len(ids) > self.seq_len + 1:
-            raise record.error(
-                self.column, f"renders to {len(ids)} tokens, more than seq_len + 1 = {self.seq_len + 1}"
-            )
-        return np.asarray(ids, np.int32), np.asarray(roles, np.int8)
+        return self.encode_many([record])[0]
 
     # ----- packing -------------------------------------------------------------------------
 
@@ -223,7 +287,7 @@ class ChatMessages(PartitionedLoader):
         row_count = len(self.columns(here)["text"])
         val_rows = None
         if self.val_records is not None:
-            val_rows = self.collate(self.loading.encode(self.val_records, self.encode))
+            val_rows = self.collate(self.loading.encode(self.val_records, self.encode_many))
 
         def train(partition: Partition) -> RecordStream:
             columns = self.columns(partition)

@@ -74,21 +74,30 @@ class Loading:
         for name, least in (("workers", 0), ("threads", 1), ("read_buffer", 1)):
             integer(f"Loading.{name}", getattr(self, name), at_least=least)
 
-    def encode(self, records: Sequence[Record], encode: Callable[[Record], Any], chunk: int = 256) -> list:
-        """``[encode(r) for r in records]``, in order, spread over the workers or threads."""
+    def encode(self, records: Sequence[Record], encode_many: Callable[[Sequence[Record]], list], chunk: int = 256) -> list:
+        """``encode_many(records)``, in order, a chunk at a time spread over the workers or threads."""
         if self.workers == 0 and self.threads == 1:
-            return [encode(record) for record in records]
+            return encode_many(records)
         if self.workers > 0:
-            # spawn, not fork: the parent may hold JAX's threads, which fork would copy mid-flight.
-            executor = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            # spawn, not fork: the parent may hold JAX's threads, which fork would copy mid-flight. Each
+            # worker receives encode_many (and the loader it belongs to, tokenizer included) once, at its
+            # start, and then only its chunks of records.
+            executor = concurrent.futures.ProcessPoolExecutor(
+                self.workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_hold_encoder, initargs=(encode_many,),
+            )
+            run = _encode_held
         else:
             executor = concurrent.futures.ThreadPoolExecutor(self.threads)
+            run = encode_many
+        # A few chunks per worker or thread, so none waits on one long last chunk.
+        chunk = max(1, min(chunk, -(-len(records) // (4 * max(self.workers, self.threads)))))
         chunks = [records[start : start + chunk] for start in range(0, len(records), chunk)]
         out: list = []
         with executor:
             pending = []
             for piece in chunks:
-                pending.append(executor.submit(_encode_chunk, encode, piece))
+                pending.append(executor.submit(run, piece))
                 if len(pending) > self.read_buffer:
                     out.extend(pending.pop(0).result())
             for future in pending:
@@ -96,8 +105,16 @@ class Loading:
         return out
 
 
-def _encode_chunk(encode: Callable[[Record], Any], records: Sequence[Record]) -> list:
-    return [encode(record) for record in records]
+_held_encoder: Callable[[Sequence[Record]], list] | None = None
+
+
+def _hold_encoder(encode_many: Callable[[Sequence[Record]], list]) -> None:
+    global _held_encoder
+    _held_encoder = encode_many
+
+
+def _encode_held(records: Sequence[Record]) -> list:
+    return _held_encoder(records)
 
 
 def read_records(records: Iterable[str | Mapping] | None, path: str | Path | None, owner: str) -> list[Record]:
@@ -226,6 +243,10 @@ class PartitionedLoader:
     def encode(self, record: Record) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def encode_many(self, records: Sequence[Record]) -> list:
+        """``[encode(r) for r in records]``; a loader that encodes faster in batches overrides it."""
+        return [self.encode(record) for record in records]
+
     def collate(self, encoded: list) -> dict[str, np.ndarray]:
         """Columns from the encoded records of a partition (default: stacked, one row per record)."""
         return stack(encoded)
@@ -233,7 +254,7 @@ class PartitionedLoader:
     def columns(self, partition: Partition) -> dict[str, np.ndarray]:
         """This partition's records, encoded and collated (cached)."""
         if partition not in self._encoded:
-            encoded = self.loading.encode(partition_of(self.records, partition), self.encode)
+            encoded = self.loading.encode(partition_of(self.records, partition), self.encode_many)
             self._encoded[partition] = self.collate(encoded)
         return self._encoded[partition]
 
