@@ -4,8 +4,9 @@ Writes a JSONL of multi-turn conversations (system prompt, two to four user/assi
 exchanges, some with a tool call and its result), then measures, each in a fresh
 process, interleaved round by round:
 
-- dew: ChatMessages reading the file and encoding every conversation (ids and roles
-  by prefix rendering, with the prefix check) and packing rows, with 1 and 2 threads
+- dew: ChatMessages reading the file and encoding every conversation (every prefix
+  rendered, each checked to start the next render and to end on a token boundary of
+  the full render, which is tokenized once) and packing rows, with 1 and 2 threads
   and with ``Loading(workers=2)`` (two spawned processes, their start included);
 - TRL 1.16 (bench/peers/trl_chat_tokenize.py in .venv-ref): apply_chat_template with
   return_assistant_tokens_mask per conversation, as its SFTTrainer does.
@@ -55,6 +56,8 @@ def conversation(rng: random.Random) -> dict:
 
 
 def dew_worker(path: Path, tokenizer_dir: Path, threads: int, workers: int) -> None:
+    import jax  # noqa: F401  a dew run has JAX loaded (load() asks it for the process index); not on the clock
+
     from dew.data import ChatMessages, Loading
     from dew.data.chat import load_tokenizer
 

@@ -19,7 +19,6 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
-import jax
 import numpy as np
 
 Batch = dict[str, np.ndarray]
@@ -39,6 +38,8 @@ class Partition:
 
 def local_partition() -> Partition:
     """This process's partition of the data: its process index among all JAX processes."""
+    import jax  # here, not at the top: a loader's worker process imports this module and never needs JAX
+
     return Partition(index=jax.process_index(), count=jax.process_count())
 
 

@@ -20,9 +20,12 @@ needs ``B`` divisible by the number of processes.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import multiprocessing
+import pickle
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,7 +59,10 @@ class Loading:
 
     workers: processes that encode records (0 encodes in this process). They start with
         multiprocessing's "spawn", so a script that uses them needs the usual
-        ``if __name__ == "__main__":`` guard around its entry point.
+        ``if __name__ == "__main__":`` guard around its entry point, and each start costs
+        a fresh interpreter, the script's own imports and the loader's tokenizer (about
+        2 s for ChatMessages with the Qwen vocabulary on a 2-core machine): workers pay
+        for themselves on thousands of records, not hundreds.
     threads: threads that encode records when ``workers`` is 0 (tokenizers release the GIL).
     read_buffer: chunks of records submitted ahead of the one being collected, which
         bounds the memory the parallel pass holds.
@@ -78,18 +84,26 @@ class Loading:
         """``encode_many(records)``, in order, a chunk at a time spread over the workers or threads."""
         if self.workers == 0 and self.threads == 1:
             return encode_many(records)
-        if self.workers > 0:
-            # spawn, not fork: the parent may hold JAX's threads, which fork would copy mid-flight. Each
-            # worker receives encode_many (and the loader it belongs to, tokenizer included) once, at its
-            # start, and then only its chunks of records.
-            executor = concurrent.futures.ProcessPoolExecutor(
-                self.workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_hold_encoder, initargs=(encode_many,),
-            )
-            run = _encode_held
-        else:
-            executor = concurrent.futures.ThreadPoolExecutor(self.threads)
-            run = encode_many
+        with contextlib.ExitStack() as stack:
+            if self.workers > 0:
+                # spawn, not fork: the parent may hold JAX's threads, which fork would copy mid-flight.
+                # encode_many (its loader and tokenizer: megabytes) goes to a file every worker reads at
+                # its start: passed as the workers' start argument, it would be written to one starting
+                # worker at a time, each write waiting for that worker's interpreter to come up.
+                held = stack.enter_context(tempfile.NamedTemporaryFile(prefix="dew-loader-", suffix=".pickle"))
+                pickle.dump(encode_many, held)
+                held.flush()
+                executor = concurrent.futures.ProcessPoolExecutor(
+                    self.workers, mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_hold_encoder, initargs=(held.name,),
+                )
+                run = _encode_held
+            else:
+                executor = concurrent.futures.ThreadPoolExecutor(self.threads)
+                run = encode_many
+            return self._spread(records, run, executor, chunk)
+
+    def _spread(self, records: Sequence[Record], run: Callable[[Sequence[Record]], list], executor, chunk: int) -> list:
         # A few chunks per worker or thread, so none waits on one long last chunk.
         chunk = max(1, min(chunk, -(-len(records) // (4 * max(self.workers, self.threads)))))
         chunks = [records[start : start + chunk] for start in range(0, len(records), chunk)]
@@ -108,9 +122,10 @@ class Loading:
 _held_encoder: Callable[[Sequence[Record]], list] | None = None
 
 
-def _hold_encoder(encode_many: Callable[[Sequence[Record]], list]) -> None:
+def _hold_encoder(path: str) -> None:
     global _held_encoder
-    _held_encoder = encode_many
+    with open(path, "rb") as file:
+        _held_encoder = pickle.load(file)
 
 
 def _encode_held(records: Sequence[Record]) -> list:
