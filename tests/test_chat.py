@@ -39,6 +39,19 @@ def test_ids_and_assistant_mask_equal_trl_exactly(qwen_path, tmp_path):
     print(f"{len(FIXTURE['conversations'])} conversations equal TRL {FIXTURE['trl_version']} exactly")
 
 
+def test_prefix_renders_equal_apply_chat_template(qwen_path, tmp_path):
+    # ChatMessages renders a conversation's prefixes through transformers' renderer in two calls;
+    # each must be what apply_chat_template gives for that prefix alone.
+    rows = [{"messages": c["messages"], **({"tools": c["tools"]} if "tools" in c else {})} for c in FIXTURE["conversations"]]
+    chat = ChatMessages(tokenizer=str(qwen_path), path=write_jsonl(tmp_path / "c.jsonl", rows), seq_len=255)
+    for record in chat.records:
+        messages, tools = chat.messages_of(record)
+        prefixes = [(end, generation) for end in range(1, len(messages) + 1) for generation in (False, True)]
+        expected = [chat.tokenizer.apply_chat_template(messages[:end], tools=tools, tokenize=False,
+                                                       add_generation_prompt=generation) for end, generation in prefixes]
+        assert chat._texts(prefixes, messages, tools, record) == expected
+
+
 def test_roles_follow_the_messages_and_the_header_is_not_assistant(qwen_path, tmp_path):
     conversation = FIXTURE["conversations"][2]  # user, assistant with a tool call, tool, assistant
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation["messages"], "tools": conversation["tools"]}])
