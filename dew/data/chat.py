@@ -252,24 +252,25 @@ class ChatMessages(PartitionedLoader):
         the full render raises, since that token would belong to two messages.
         """
         record = record or Record("messages", 0, {})
-        texts, labels = self._renders(messages, tools, record)
-        encoding = self.tokenizer(texts[-1], add_special_tokens=False, return_offsets_mapping=True)
-        return list(encoding["input_ids"]), self._roles(texts, labels, encoding["offset_mapping"], record)
+        return self._tokenized([self._renders(messages, tools, record)], [record])[0]
 
-    def encode_many(self, records: Sequence[Record]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``(ids, roles)`` arrays of each record; one tokenizer call takes every full render."""
-        rendered = [self._renders(*self.messages_of(record), record) for record in records]
+    def _tokenized(self, rendered, records: Sequence[Record]) -> list[tuple[list[int], list[int]]]:
+        """Ids and roles of each conversation's full render; one tokenizer call takes them all."""
         encodings = self.tokenizer([texts[-1] for texts, _ in rendered], add_special_tokens=False,
                                    return_offsets_mapping=True)
+        return [(list(ids), self._roles(texts, labels, offsets, record)) for (texts, labels), ids, offsets, record
+                in zip(rendered, encodings["input_ids"], encodings["offset_mapping"], records, strict=True)]
+
+    def encode_many(self, records: Sequence[Record]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, roles)`` arrays of each record."""
+        rendered = [self._renders(*self.messages_of(record), record) for record in records]
         out = []
-        for record, (texts, labels), ids, offsets in zip(
-            records, rendered, encodings["input_ids"], encodings["offset_mapping"], strict=True
-        ):
+        for record, (ids, roles) in zip(records, self._tokenized(rendered, records), strict=True):
             if len(ids) > self.seq_len + 1:
                 raise record.error(
                     self.column, f"renders to {len(ids)} tokens, more than seq_len + 1 = {self.seq_len + 1}"
                 )
-            out.append((np.asarray(ids, np.int32), np.asarray(self._roles(texts, labels, offsets, record), np.int8)))
+            out.append((np.asarray(ids, np.int32), np.asarray(roles, np.int8)))
         return out
 
     def encode(self, record: Record) -> tuple[np.ndarray, np.ndarray]:

@@ -105,7 +105,7 @@ class Loading:
 
     def _spread(self, records: Sequence[Record], run: Callable[[Sequence[Record]], list], executor, chunk: int) -> list:
         # A few chunks per worker or thread, so none waits on one long last chunk.
-        chunk = max(1, min(chunk, -(-len(records) // (4 * max(self.workers, self.threads)))))
+        chunk = max(1, min(chunk, -(-len(records) // (4 * (self.workers or self.threads)))))
         chunks = [records[start : start + chunk] for start in range(0, len(records), chunk)]
         out: list = []
         with executor:
