@@ -16,7 +16,7 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_origin
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
@@ -92,6 +92,11 @@ def _override(kind: type[Config], item: str) -> tuple[str, Any]:
         except ValidationError:
             pass
     try:
+        if get_origin(field.annotation) is list:  # a JSON list, or comma-separated items: trackers=tensorboard,wandb
+            if text.lstrip().startswith("["):
+                return name, adapter.validate_json(text, strict=False)
+            return name, adapter.validate_python([part.strip() for part in text.split(",") if part.strip()],
+                                                 strict=False)
         return name, adapter.validate_python(text, strict=False)
     except ValidationError as error:
         expected = _expected(error.errors(include_url=False)[0], field.annotation)

@@ -4,8 +4,9 @@ The console shows a tqdm bar (steps/s and ETA) on standard error and prints one 
 per logged step with the rate and ETA on standard output, so logs captured by a job
 runner without the bar still say how fast training goes.
 With an output directory every logged record is also appended to
-``<output_dir>/metrics.jsonl``; without one nothing is written to disk. Only the
-first process of a multi-process job reports.
+``<output_dir>/metrics.jsonl`` and goes to the run's experiment trackers (TensorBoard,
+W&B: :mod:`dew.experiment_trackers`) as ``<kind>/<name>``; without one nothing is
+written to disk. Only the first process of a multi-process job reports.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from dew.experiment_trackers import ExperimentTracker, MetricWriters
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
@@ -32,10 +35,12 @@ def format_metrics(metrics: dict[str, float]) -> str:
 class Tracker:
     """Progress bar plus metric records for one ``fit`` call."""
 
-    def __init__(self, total: int, start: int, output_dir: str | Path | None, enabled: bool, progress: bool):
+    def __init__(self, total: int, start: int, output_dir: str | Path | None, enabled: bool, progress: bool,
+                 trackers: tuple[ExperimentTracker, ...] = ()):
         self.enabled = enabled
         self._file = None
         self._bar = None
+        self._writers = None
         self._start_time = time.perf_counter()
         self._start_step = start
         self._total = total
@@ -45,6 +50,7 @@ class Tracker:
             path = Path(output_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a")
+            self._writers = MetricWriters(trackers, output_dir, start_step=start)
         if progress:
             # Redraw less often where the bar goes to a log file rather than a terminal.
             interval = 0.1 if sys.stderr.isatty() else 2.0
@@ -76,9 +82,13 @@ class Tracker:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._writers is not None:
+            self._writers.write(step, {k: v for k, v in record.items() if k not in ("kind", "step")}, f"{kind}/")
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+        if self._writers is not None:
+            self._writers.close()

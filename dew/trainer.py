@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,6 +52,7 @@ from dew.sharding import (
     replicated,
     shard_batch,
 )
+from dew.experiment_trackers import ExperimentTracker, trackers_of
 from dew.tracking import Tracker
 from dew.validation import positive_int
 
@@ -105,6 +106,9 @@ class Trainer:
     checkpoint_every: steps between checkpoints when ``output_dir`` is set (and one at the end).
     devices: the devices of the data mesh (default: all devices of all processes).
     progress: show a progress bar in ``fit``.
+    trackers: experiment trackers that receive ``fit``'s records beside ``metrics.jsonl``:
+    names ("tensorboard", "wandb") or :class:`~dew.experiment_trackers.TensorBoard` /
+    :class:`~dew.experiment_trackers.WandB` settings; they write under ``output_dir``.
     """
 
     def __init__(
@@ -120,8 +124,12 @@ class Trainer:
         keep_checkpoints: int | None = 3,
         devices=None,
         progress: bool = True,
+        trackers: Sequence[str | ExperimentTracker] = (),
     ):
         positive_int("accumulate", accumulate)
+        trackers = trackers_of(trackers)
+        if trackers and output_dir is None:
+            raise ValueError(f"trackers={[str(t) for t in trackers]} need an output_dir to write their records in")
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
         if checkpoint_every is not None and output_dir is None:
@@ -138,6 +146,7 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
         self.progress = progress
+        self.trackers = trackers
         self.mesh = data_mesh(devices)
         self._replicated = replicated(self.mesh)
         self._key = _as_key(key)
@@ -341,7 +350,8 @@ class Trainer:
             state = self.initial_state()
         step = int(state.step)
         tracker = Tracker(
-            total=steps, start=step, output_dir=self.output_dir, enabled=partition.index == 0, progress=self.progress
+            total=steps, start=step, output_dir=self.output_dir, enabled=partition.index == 0, progress=self.progress,
+            trackers=self.trackers,
         )
         try:
             while step < steps:

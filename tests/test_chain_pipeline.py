@@ -18,6 +18,7 @@ from dew.models.pretrained import load_pretrained
 from dew.recipes.chain import stage_trainer
 from dew.recipes.stage_files import model_tokenizer, stage_of
 from dew_ray.pipelines.chain import ChainConfig
+from tracker_files import tensorboard_scalars
 
 
 def chain_file(folder, model, chat, pairs, prompts):
@@ -29,6 +30,7 @@ batch = 2
 learning_rate = 1e-2
 checkpoint_every = 2
 progress = false
+trackers = ["tensorboard"]
 
 [[stages]]
 name = "warm"
@@ -81,6 +83,9 @@ def test_dew_ray_chain_trains_each_stage_from_the_last_and_a_rerun_restores(tmp_
                            (policies["prefer"], policies["reinforce"])):
         assert any(not np.array_equal(a, b) for a, b in zip(earlier, later, strict=True))
     assert [json.loads(line)["step"] for line in (run / "warm" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    losses = [json.loads(line)["loss"] for line in (run / "warm" / "metrics.jsonl").read_text().splitlines()]
+    events = tensorboard_scalars(run / "warm" / "tensorboard")["train/loss"]
+    assert [step for step, _ in events] == [1, 2, 3] and [loss for _, loss in events] == pytest.approx(losses)
     # the DPO stage's frozen reference is the SFT stage's final policy (it came through the object store)
     spec = ChainConfig(**load_config(ChainConfig, config).model_dump()).stages[1]
     tokenizer = model_tokenizer(str(model), None)
@@ -97,6 +102,7 @@ def test_dew_ray_chain_trains_each_stage_from_the_last_and_a_rerun_restores(tmp_
     summary = json.loads((run / "summary.json").read_text())
     assert [s["restored"] for s in summary["stages"]] == [True, True, True]
     assert lines == {name: (run / name / "metrics.jsonl").read_text() for name in lines}
+    assert [step for step, _ in tensorboard_scalars(run / "prefer" / "tensorboard")["train/loss"]] == [1, 2]
     for name, before in policies.items():
         for a, b in zip(before, leaves(load_pretrained(run / name / "policy")[1]), strict=True):
             np.testing.assert_array_equal(a, b)

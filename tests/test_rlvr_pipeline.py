@@ -24,6 +24,7 @@ from conftest import ROOT, free_port  # noqa: E402
 from dew.data.verifiable import task_tokenizer  # noqa: E402
 from dew.objectives.rl.verl import from_verl, to_verl  # noqa: E402
 from dew_ray.pipelines.rlvr import RLVRPipeline, RLVRPipelineConfig, load_config  # noqa: E402
+from tracker_files import tensorboard_scalars, wandb_history  # noqa: E402
 
 VERL_PARQUET = ROOT / "tests" / "fixtures" / "verl_gsm8k_tool_agent_loop.parquet"  # tools/verl_interop_reference.py
 
@@ -47,6 +48,10 @@ def test_config_file_overrides_and_named_errors(tmp_path):
     assert config.learning_rate == 3e-4
     with pytest.raises(ValueError, match="unknown config field 'stepz'"):
         load_config(None, ["stepz=3"])
+    assert load_config(None, ["trackers=tensorboard,wandb"]).trackers == ["tensorboard", "wandb"]
+    assert load_config(None, ['trackers=["wandb"]', "wandb_mode=online"]).experiment_trackers()[0].mode == "online"
+    with pytest.raises(ValueError, match="cannot read 'mlflow' as config field 'trackers' \\(one of 'tensorboard' or"):
+        load_config(None, ["trackers=mlflow"])
     with pytest.raises(ValueError, match="cannot read 'many' as config field 'servers'"):
         load_config(None, ["servers=many"])
     with pytest.raises(ValueError, match="'max_lag' \\(0\\) must be at least ahead \\+ sync_every - 1 = 1"):
@@ -95,7 +100,7 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
         # two trainer processes (one jax.distributed job), each scheduling its own task of every batch, on the
         # prompts of verl's gsm8k tool-agent parquet (chat messages), writing each update's rollouts as verl rows
         with RLVRPipeline(tiny(tmp_path / "run", trainers=2, trainer_cpus=0.5, prompts=str(VERL_PARQUET),
-                               verl_rows=True, sft_batch=8)) as pipeline:
+                               verl_rows=True, sft_batch=8, trackers=["tensorboard", "wandb"])) as pipeline:
             started = pipeline.start()
             assert not started["restored"] and started["step"] == 0
             rows = pipeline.step(2)
@@ -117,6 +122,13 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
     assert set(summary["reward_after"]) == {"all", "math", "code"}
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
+    # the trackers got the same rows: TensorBoard events and the offline W&B run's history
+    events = tensorboard_scalars(run / "tensorboard")
+    assert events["train/loss"] == [(line["step"], pytest.approx(line["train/loss"])) for line in lines]
+    assert [step for step, _ in events["held_out/all"]] == [0, 1, 2, 3]
+    (wandb_run,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    history = wandb_history(wandb_run)
+    assert [row["_step"] for row in history if "scheduler/lag" in row] == [1, 2, 3]
     assert (run / "rlvr.png").stat().st_size > 10_000 and (run / "summary.json").exists()
     # the held-out curve: before, after updates 1 and 2 (eval_points=3 of 3 updates, evenly spaced), and after
     curve = [json.loads(line) for line in (run / "held_out.jsonl").read_text().splitlines()]

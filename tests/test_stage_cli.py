@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT
+from tracker_files import tensorboard_scalars
 
 from dew.config import ConfigError, load_config
 from dew.models.pretrained import load_pretrained
@@ -73,10 +74,12 @@ def test_sft_then_dpo_then_grpo_from_the_command_line(files, tmp_path):
                                                  "--set", "max_new_tokens=4", "--set", "groups=2"])):
         out = tmp_path / kind
         result = dew_ray(kind, "--model", start, "--data", str(data), "--output-dir", str(out), "--steps", "2",
-                         "--set", "batch=2", "--set", "learning_rate=1e-2", *extra)
+                         "--set", "batch=2", "--set", "learning_rate=1e-2", "--set", "trackers=tensorboard", *extra)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert f"{kind}: 2 updates" in result.stdout
-        assert len((out / kind / "metrics.jsonl").read_text().splitlines()) >= 1
+        rows = [json.loads(line) for line in (out / kind / "metrics.jsonl").read_text().splitlines()]
+        events = tensorboard_scalars(out / kind / "tensorboard")["train/loss"]
+        assert events == [(row["step"], pytest.approx(row["loss"])) for row in rows if row["kind"] == "train"]
         assert any((out / kind).glob("*/")), "no checkpoint directory"
         assert any(not np.array_equal(a, b) for a, b in zip(leaves(out / "policy"), leaves(start), strict=True))
         start = str(out / "policy")  # the next stage starts from this one's exported policy

@@ -177,8 +177,11 @@ def stage_objective(model, stage: Stage, start, decode: Callable | None = None, 
 
 
 def stage_trainer(model, optimizer, key, directory: Path, batch: int, stage: Stage, start, progress: bool = True,
-                  decode: Callable | None = None, eos_id: int | None = None) -> tuple[Trainer, Dataset]:
-    """The Trainer (fresh optimizer and step counter, checkpoints in ``directory``) and Dataset of one stage."""
+                  decode: Callable | None = None, eos_id: int | None = None,
+                  trackers: tuple = ()) -> tuple[Trainer, Dataset]:
+    """The Trainer (fresh optimizer and step counter, checkpoints and ``trackers``' records in ``directory``) and
+    Dataset of one stage."""
     objective, rollout = stage_objective(model, stage, start, decode, eos_id)
-    trainer = Trainer(objective, optimizer, key=key, rollout=rollout, output_dir=directory, progress=progress)
+    trainer = Trainer(objective, optimizer, key=key, rollout=rollout, output_dir=directory, progress=progress,
+                      trackers=trackers)
     return trainer, stage.data.load(batch=batch)

@@ -42,6 +42,7 @@ from dew.data.preference import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.models.pretrained import Pretrained, load_pretrained
 from dew.recipes.chain import Stage, stage_trainer
+from dew.experiment_trackers import TrackerOptions
 from dew.sandbox.rewards import MathReward
 from dew.trainer import TrainState
 
@@ -78,11 +79,13 @@ class StageSpec(StageOptions):
     kind: KIND
 
 
-class StageRun(StageOptions):
+class StageRun(StageOptions, TrackerOptions):
     """``dew-ray sft|dpo|grpo``: one stage on a model directory.
 
     model: the Hugging Face model directory; tokenizer: its tokenizer (default: the model
-    directory's); output_dir: where checkpoints, metrics and the final policy go.
+    directory's); output_dir: where checkpoints, metrics and the final policy go;
+    trackers, wandb_project, wandb_mode: TensorBoard and W&B beside ``metrics.jsonl``
+    (:class:`dew.experiment_trackers.TrackerOptions`), in ``<output_dir>/<kind>/``.
     """
 
     model: str
@@ -160,7 +163,8 @@ def run_stage(config: StageRun, kind: str, progress: bool = True) -> tuple[Train
     (output / "config.json").write_text(json.dumps({"kind": kind, **config.model_dump()}, indent=2))
     trainer, data = stage_trainer(model, optax.adamw(config.learning_rate), jax.random.key(config.seed),
                                   output / kind, config.batch, stage, start, progress,
-                                  **(decoding(tokenizer) if kind == "grpo" else {}))
+                                  **(decoding(tokenizer) if kind == "grpo" else {}),
+                                  trackers=config.experiment_trackers(name=f"{output.name}-{kind}"))
     state = trainer.fit(data, steps=config.steps, log_every=config.log_every or max(1, config.steps // 10))
     return state, export_policy(config.model, jax.tree.map(lambda x: x.addressable_data(0), state.params),
                                 output / "policy", tokenizer)

@@ -43,7 +43,8 @@ import optax
 import ray
 from pydantic import Field, model_validator
 
-from dew.config import Config, load_config
+from dew.config import load_config
+from dew.experiment_trackers import MetricWriters, TrackerOptions
 from dew.models.pretrained import Pretrained
 from dew.recipes.stage_files import StageSpec, decoding, export_policy, model_tokenizer, stage_of
 from dew.recipes.chain import stage_trainer
@@ -54,12 +55,15 @@ from dew_ray.pipelines.run_dirs import PreflightError, pipeline_main, resolve_ru
 __all__ = ["ChainConfig", "ChainPipeline", "main", "run"]
 
 
-class ChainConfig(Config):
+class ChainConfig(TrackerOptions):
     """A chain of stages on Ray (see the module docstring).
 
     model, tokenizer: the Hugging Face model directory and its tokenizer (default: the
     model's); trainers: processes per stage group, trainer_cpus: CPUs each reserves;
     checkpoint_every: steps between checkpoints within a stage (and one at its end).
+    trackers, wandb_project, wandb_mode: experiment trackers for each stage's rows
+    (:class:`dew.experiment_trackers.TrackerOptions`): TensorBoard event files in
+    ``<run_dir>/<name>/tensorboard``, one W&B run per stage, grouped by the run directory.
     """
 
     model: str
@@ -143,6 +147,7 @@ class ChainPipeline:
             began = time.perf_counter()
             build = functools.partial(stage_job, config, index, str(self.run_dir), previous)
             actors, started = start_trainer_group(build, processes=config.trainers, num_cpus=config.trainer_cpus)
+            writers = None
             try:
                 done = started[0]["step"]
                 metrics = self.run_dir / spec.name / "metrics.jsonl"
@@ -150,6 +155,8 @@ class ChainPipeline:
                         if json.loads(line)["step"] <= done]  # lines past the restored checkpoint are trained again
                 metrics.parent.mkdir(parents=True, exist_ok=True)
                 metrics.write_text("".join(line + "\n" for line in kept))
+                writers = MetricWriters(config.experiment_trackers(name=spec.name, group=self.run_dir.name),
+                                        self.run_dir / spec.name, start_step=done, config=config.model_dump())
                 progress(f"stage {spec.name} ({spec.kind}): {'restored at step ' + str(done) if started[0]['restored'] else 'from the previous policy'}, "
                          f"{spec.steps - done} steps to go")
                 while done < spec.steps:
@@ -158,12 +165,16 @@ class ChainPipeline:
                     with open(metrics, "a") as handle:
                         for row in rows:
                             handle.write(json.dumps({k: v for k, v in row.items() if k != "report"}) + "\n")
+                            writers.write(row["step"], {k: v for k, v in row.items() if k not in ("report", "step")},
+                                          "train/")
                     done = rows[-1]["step"]
                     ray.get([actor.save.remote() for actor in actors])
                     progress(f"stage {spec.name}: step {done}/{spec.steps}, loss {rows[-1].get('loss', float('nan')):.4f}")
                 policy = actors[0].snapshot.remote()  # the object store holds it; the driver keeps the reference only
                 ray.wait([policy], fetch_local=False)  # made before the group ends (its CPUs then go to the export)
             finally:
+                if writers is not None:
+                    writers.close()
                 ray.get([actor.close.remote() for actor in actors])
                 for actor in actors:
                     ray.kill(actor)

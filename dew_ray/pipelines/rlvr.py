@@ -76,6 +76,7 @@ from flax import serialization
 from tqdm import tqdm
 
 from dew.data.verifiable import task_tokenizer
+from dew.experiment_trackers import MetricWriters
 from dew.inference import SafetensorsReload, ServingTask
 from dew.inference.engines import engine_dir, engine_python
 from dew.models.pretrained import Pretrained
@@ -149,6 +150,7 @@ class RLVRPipeline:
         self.pool = None
         self.fleet = None
         self.metrics = None
+        self.writers = None
         self.placement = None
         self.step_count = 0
         self.runner = None  # the sandbox runner the preflight started a program in; the runner actors get it
@@ -240,8 +242,10 @@ class RLVRPipeline:
                                                      placement=lambda i: placement.options("trainer", i))
         self._actors += self.trainers
         self.step_count = started[0]["step"]
+        self.writers = MetricWriters(config.experiment_trackers(name=self.run_dir.resolve().name), self.run_dir,
+                                     start_step=self.step_count, config=config.model_dump())
         self._read_rows(self.step_count)
-        self._read_curve(self.step_count)
+        self._read_curve(self.step_count)  # a fresh run's step-0 point goes to the trackers too
         self._last = time.perf_counter()
         return {"restored": started[0]["restored"], "step": self.step_count, "width": width,
                 "reward_before": self.reward_before, "parameters": sum(int(x.size) for x in _leaves(self.params))}
@@ -289,6 +293,8 @@ class RLVRPipeline:
         self.held_out_curve.append({"step": step, "reward": reward})
         with open(self.run_dir / HELD_OUT, "a") as file:
             file.write(json.dumps(self.held_out_curve[-1]) + "\n")
+        if self.writers is not None:
+            self.writers.write(step, {"held_out": reward})
 
     def _write_verl_rows(self, step: int, rows: list[dict]) -> None:
         """One update's admitted rollouts, every process's, as verl rows in verl_rows/update-<step>.jsonl."""
@@ -330,6 +336,7 @@ class RLVRPipeline:
             # its row, where the other order would leave a trained update without one.
             with open(self.run_dir / "metrics.jsonl", "a") as file:
                 file.write(json.dumps(row) + "\n")
+            self.writers.write(self.step_count, {k: v for k, v in row.items() if k != "step"})
             if self.config.verl_rows:
                 self._write_verl_rows(self.step_count, verl_rows)
             if self.step_count % self.config.checkpoint_every == 0 or self.step_count == self.config.steps:
@@ -381,7 +388,10 @@ class RLVRPipeline:
         return self.summary
 
     def stop(self) -> None:
-        """Close the trainers, end every actor this run started, and Ray if this run started it."""
+        """Close the trainers and trackers, end every actor this run started, and Ray if this run started it."""
+        if self.writers is not None:
+            self.writers.close()
+            self.writers = None
         if not ray.is_initialized():
             return
         for trainer in self.trainers:

@@ -13,10 +13,11 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from dew.config import load_config as load_any
+from dew.experiment_trackers import TrackerOptions
 from dew.recipes.rlvr import RLVRConfig
 
 
-class RLVRPipelineConfig(RLVRConfig):
+class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     """Options of one pipeline run: the built-in run's, and
 
     run_dir: the run directory (relative paths resolve against the driver's working
@@ -41,6 +42,9 @@ class RLVRPipelineConfig(RLVRConfig):
     ``<run_dir>/verl_rows/update-<step>.jsonl``, beside ``metrics.jsonl``. eval_points: how
     many times during training the held-out reward is measured besides before and after
     (evenly spaced updates; ``held_out.jsonl`` and the plot), 0 for before and after only.
+    trackers, wandb_project, wandb_mode: experiment trackers that get every ``metrics.jsonl``
+    row from the driver (:class:`dew.experiment_trackers.TrackerOptions`): TensorBoard event
+    files in ``<run_dir>/tensorboard``, a W&B run in ``<run_dir>/wandb``.
     """
 
     run_dir: str = "runs/rlvr"
