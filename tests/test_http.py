@@ -1,4 +1,5 @@
 import json
+import socket
 import urllib.error
 import urllib.request
 
@@ -156,3 +157,26 @@ def test_a_model_that_is_not_served_gets_404(client):
         client.completions.create(model="dew-stories", prompt=[1, 2], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature must be"):
         client.completions.create(model="dew", prompt=[1, 2], max_tokens=2, temperature=-1)
+
+
+def raw_post(front, head: str, body: bytes = b"") -> tuple[int, dict]:
+    """A POST written by hand on a socket (headers as given), the write side closed after the body."""
+    host, port = front.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + body)
+        connection.shutdown(socket.SHUT_WR)
+        reply = b"".join(iter(lambda: connection.recv(65536), b""))
+    status_line, _, rest = reply.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_bodies_that_are_too_large_short_or_misdeclared_are_refused_by_name(front):
+    status, reply = raw_post(front, f"Content-Length: {(16 << 20) + 1}\r\n")
+    assert status == 413 and "this server takes at most 16777216" in reply["error"]["message"]
+    status, reply = raw_post(front, "Content-Length: 100\r\n", b'{"prompt": [1]}')
+    assert status == 400 and "the body ended after 15 of its 100 bytes" in reply["error"]["message"]
+    status, reply = raw_post(front, "Content-Length: -5\r\n")
+    assert status == 400 and "Content-Length must be a non-negative integer, got '-5'" in reply["error"]["message"]
+    status, reply = raw_post(front, "Content-Length: 4\r\n", b"\xff\xfe{}")
+    assert status == 400 and "the body is not JSON" in reply["error"]["message"]
+    assert call(front, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})[0] == 200

@@ -54,10 +54,22 @@ from dew.sampling import Sampling, filtered_logits
 
 MAX_N = 64  # draws one request may ask for
 MAX_ALTERNATIVES = 20  # vLLM's default cap on logprobs / top_logprobs
+MAX_BODY_BYTES = 16 << 20  # a request body past this gets 413 before it is read
+BODY_SECONDS = 60.0  # a client that sends less than its Content-Length is dropped after this long
 
 
 class RequestError(ValueError):
-    """A request the front refuses with 400."""
+    """A request the front refuses; ``status`` is the HTTP status (400 unless a subclass says)."""
+
+    status, kind = 400, "BadRequestError"
+
+
+class BodyTooLarge(RequestError):
+    status, kind = 413, "PayloadTooLargeError"
+
+
+class BodyTimeout(RequestError):
+    status, kind = 408, "RequestTimeoutError"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +97,8 @@ class OpenAIFront(BackgroundServer):
         front = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = BODY_SECONDS  # the socket's: a client that stops sending mid-body does not hold a thread
+
             def do_GET(self):  # noqa: N802 (http.server's naming)
                 front._dispatch(self, "GET")
 
@@ -112,17 +126,19 @@ class OpenAIFront(BackgroundServer):
                 raise LookupError(f"no route {method} {handler.path}")
             body = {}
             if method == "POST":
-                length = int(handler.headers.get("Content-Length") or 0)
+                data = _body(handler)
                 try:
-                    body = json.loads(handler.rfile.read(length) or b"{}")
-                except json.JSONDecodeError as error:
+                    body = json.loads(data or b"{}")
+                except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, or nested past Python's stack
                     raise RequestError(f"the body is not JSON ({error})") from None
                 if not isinstance(body, dict):
                     raise RequestError("the body must be a JSON object")
             status, reply = 200, route(body)
         except LookupError as error:
             status, reply = 404, _error(str(error), "NotFoundError")
-        except (RequestError, ValueError, TypeError) as error:
+        except RequestError as error:
+            status, reply = error.status, _error(str(error), error.kind)
+        except (ValueError, TypeError) as error:
             status, reply = 400, _error(str(error), "BadRequestError")
         except Exception as error:  # the engine failed: the client learns why, the server keeps going
             status, reply = 500, _error(f"{type(error).__name__}: {error}", "InternalServerError")
@@ -305,6 +321,25 @@ class OpenAIFront(BackgroundServer):
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+
+def _body(handler: BaseHTTPRequestHandler) -> bytes:
+    """The request's body, all ``Content-Length`` bytes of it, or a RequestError saying why not."""
+    text = handler.headers.get("Content-Length") or "0"
+    if not text.isdigit():
+        raise RequestError(f"Content-Length must be a non-negative integer, got {text!r}")
+    length = int(text)
+    if length > MAX_BODY_BYTES:
+        handler.close_connection = True  # the unread body must not be taken for the next request
+        raise BodyTooLarge(f"the body is {length} bytes; this server takes at most {MAX_BODY_BYTES}")
+    try:
+        data = handler.rfile.read(length)
+    except TimeoutError:
+        handler.close_connection = True
+        raise BodyTimeout(f"the body did not arrive within {BODY_SECONDS:g} s") from None
+    if len(data) < length:
+        raise RequestError(f"the body ended after {len(data)} of its {length} bytes (Content-Length)")
+    return data
 
 
 def write_json(handler: BaseHTTPRequestHandler, status: int, reply) -> None:

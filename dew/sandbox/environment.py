@@ -246,7 +246,7 @@ class WorkerEnvironment(Environment):
             line = self._exchange(json.dumps(request, separators=(",", ":")).encode() + b"\n")
             try:
                 reply = json.loads(line)
-            except ValueError as error:
+            except (ValueError, RecursionError) as error:  # RecursionError: arrays nested past Python's stack
                 raise _WorkerDied(f"malformed reply to {request['op']}: not JSON ({error}): {_preview(line)}") from None
             if not isinstance(reply, dict):
                 raise _WorkerDied(f"malformed reply to {request['op']}: not a JSON object: {_preview(line)}")
