@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
