@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import import_from
 
 ray = pytest.importorskip("ray")
 
@@ -300,3 +301,11 @@ def test_environment_workers_run_sessions_and_the_scheduler_trains_through_them(
     assert all(s.status is not Status.INFRA_ERROR for s in later)
     for actor in [workers[1], pool.servers[0].actor]:
         ray.kill(actor)
+
+
+def test_the_rollout_path_settles_every_draw_once_under_load(cluster):
+    # 48 draws at once on 2 actors of 4 slots: six times what the slots hold; each must equal an unloaded draw
+    load = import_from("bench", "load")
+    result = load.rollout_load(load.sharp_task(), draws=48, servers=2, slots=4)
+    assert (result["lost"], result["lost_examples"], result["wrong"]) == (0, [], 0)
+    assert (result["settled_twice"], result["unsettled"]) == (0, 0)

@@ -11,11 +11,17 @@ import threading
 from http.server import ThreadingHTTPServer
 
 
+class _Server(ThreadingHTTPServer):
+    # socketserver's listen backlog is 5: a burst of more connections than that (a rollout batch's clients, say)
+    # overflows it and the kernel resets the extra ones before any thread sees them
+    request_queue_size = 1024
+
+
 class BackgroundServer:
     """``handler`` served on ``host:port`` (0: any free port) from a daemon thread named ``name``."""
 
     def __init__(self, handler, host: str = "127.0.0.1", port: int = 0, name: str = "dew-http"):
-        self._http = ThreadingHTTPServer((host, port), handler)
+        self._http = _Server((host, port), handler)
         self._http.daemon_threads = True
         self._thread = threading.Thread(target=self._http.serve_forever, name=name, daemon=True)
         self._thread.start()
