@@ -4,13 +4,16 @@
 reserves every role's CPUs at once (a ``PACK`` placement group: on one node when it
 fits, spread over nodes when not), so a run either gets all its actors or waits and
 fails with the roles named, instead of starting half of them. ``options(role, index)``
-gives the scheduling options for an actor of that role in its own bundle. The CPUs per
+gives the scheduling options for an actor of that role in its own bundle, and, for a
+named placement, the actor's name: ``<name>-<6 hex>/<role>-<index>`` (the dashboard's
+actor list shows it; the hex keeps two runs of one name apart). The CPUs per
 role come from the pipeline config; GPU bundles will come the same way with the GPU
 engines.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 
 import ray
@@ -35,6 +38,7 @@ class RolePlacement:
             self.first[role] = len(bundles)
             bundles += [{"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})} for _ in range(count)]
         self.group = placement_group(bundles, strategy="PACK", name=name or "")
+        self.actor_prefix = f"{name}-{uuid.uuid4().hex[:6]}" if name else None
         ready, _ = ray.wait([self.group.ready()], timeout=timeout)
         if not ready:
             remove_placement_group(self.group)
@@ -49,7 +53,8 @@ class RolePlacement:
         if not 0 <= index < count:
             raise IndexError(f"role {role!r} has {count} actor(s), not an actor {index}")
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.first[role] + index)
-        return {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {}), "scheduling_strategy": strategy}
+        named = {"name": f"{self.actor_prefix}/{role.replace(' ', '-')}-{index}"} if self.actor_prefix else {}
+        return {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {}), "scheduling_strategy": strategy, **named}
 
     def remove(self) -> None:
         remove_placement_group(self.group)

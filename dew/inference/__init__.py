@@ -25,7 +25,7 @@ from dew.inference.openai_server import (
 from dew.inference.publisher import WeightPublisher
 from dew.inference.reload import Publication, SafetensorsReload
 from dew.inference.remote import EnginePool, EngineRolloutServer, VLLMGenerateServer
-from dew.inference.rollout import Draw, DrawFuture, NativeRolloutServer, RolloutServer
+from dew.inference.rollout import Draw, DrawFuture, NativeRolloutServer, RolloutServer, ServerDied
 from dew.inference.server import Finished, Server, ServingTask
 from dew.inference.session_proxy import SessionProxy
 from dew.inference.wire import EngineError
@@ -33,7 +33,7 @@ from dew.inference.wire import EngineError
 __all__ = [
     "Completion", "CompletionChoice", "Draw", "DrawFuture", "EngineError", "EnginePool", "EngineRolloutServer",
     "Finished", "Gateway", "GatewayError", "Generation", "LandingCheck", "LandingError", "NCCLPush",
-    "NativeRolloutServer", "OpenAICompletion", "OpenAIFront", "OpenAIRolloutServer", "Publication", "RolloutServer",
+    "NativeRolloutServer", "OpenAICompletion", "OpenAIFront", "OpenAIRolloutServer", "Publication", "RolloutServer", "ServerDied",
     "SafetensorsReload", "Server", "ServingTask", "SessionProxy", "TextGeneration", "VLLMEngine",
     "VLLMGenerateServer", "WeightPublisher", "engine_client", "engine_python",
 ]

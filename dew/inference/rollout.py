@@ -50,6 +50,10 @@ class Draw:
     routed_experts: np.ndarray | None = None  # a mixture-of-experts router record, as the engine reported it
 
 
+class ServerDied(RuntimeError):
+    """A draw's server process died before answering; the same draw can be submitted again elsewhere."""
+
+
 class DrawFuture(Future):
     """The future of a :class:`Draw`; ``request`` is the server's number for it."""
 

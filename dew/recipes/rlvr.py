@@ -41,7 +41,7 @@ from dew.data.verifiable import (
     teacher_errors,
     verifiable_tasks,
 )
-from dew.inference.rollout import RolloutServer
+from dew.inference.rollout import RolloutServer, ServerDied
 from dew.losses.policy import lag_shares
 from dew.objectives import LMObjective
 from dew.objectives.rl.grpo import GRPOObjective
@@ -50,6 +50,7 @@ from dew.sandbox import ProcessRunner, SandboxLimits, default_runner
 
 RUNNERS = ("bwrap", "process")
 EVAL_SEED_OFFSET = 1_000_000  # held-out tasks come from their own stream of seeds
+DRAW_ATTEMPTS = 4  # a held-out draw whose server dies is drawn again, on another server of the pool
 
 
 class RLVRConfig(Config):
@@ -259,17 +260,27 @@ def measure_reward(server, reward, tokenizer, tasks: Sequence[VerifiableTask], s
     of different weights compare the same random streams. Scoring runs on ``workers``
     threads (code tasks wait on the sandbox).
     """
+    seeds = [(task, seed * 1_000_003 + index * 97 + sample) for index, task in enumerate(tasks)
+             for sample in range(samples)]
     draws = [(task, server.submit(tokenizer.encode(task.prompt, add_special_tokens=False), max_new_tokens,
-                                  seed=seed * 1_000_003 + index * 97 + sample))
-             for index, task in enumerate(tasks) for sample in range(samples)]
+                                  seed=draw_seed), draw_seed) for task, draw_seed in seeds]
     eos = tokenizer.eos_token_id
 
     def score(item) -> float:
-        task, future = item
+        task, future, draw_seed = item
         fields = {"data_source": task.data_source, "ground_truth": task.ground_truth,
                   "extra_info": json.dumps(dict(task.extra_info))}
-        return score_completion(reward, tokenizer.decode, future.result().ids, (eos,), fields)
+        for attempt in range(DRAW_ATTEMPTS):
+            try:
+                ids = future.result().ids
+                break
+            except ServerDied:  # a pool drops the dead server: the same draw (same seed) goes to another
+                if attempt == DRAW_ATTEMPTS - 1:
+                    raise
+                future = server.submit(tokenizer.encode(task.prompt, add_special_tokens=False), max_new_tokens,
+                                       seed=draw_seed)
+        return score_completion(reward, tokenizer.decode, ids, (eos,), fields)
 
     with ThreadPoolExecutor(workers) as pool:
         rewards = list(pool.map(score, draws))
-    return mean_by_family([task for task, _ in draws], rewards)
+    return mean_by_family([task for task, _, _ in draws], rewards)

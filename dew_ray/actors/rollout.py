@@ -34,6 +34,7 @@ from dew.inference import (
     OpenAIFront,
     RolloutServer,
     Server,
+    ServerDied,
     ServingTask,
 )
 from dew_ray.weights import WeightBroadcast
@@ -138,7 +139,7 @@ class RemoteRolloutServer(RolloutServer):
         if error is None:
             future.set_result(done.result())
         elif isinstance(error, RayActorError):
-            future.set_exception(RuntimeError(f"{self.name} died during a draw: {error}"))
+            future.set_exception(ServerDied(f"{self.name} died during a draw: {error}"))
         else:
             future.set_exception(error)
 

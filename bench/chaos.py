@@ -1,0 +1,423 @@
+"""Chaos run: the RLVR pipeline under seeded faults, then invariants read from its run directory.
+
+A Ray head is started for the run (its own temporary directory, loopback), and ``dew-ray
+rlvr`` runs on it as a separate driver process with several rollout servers and sandbox
+runners. This process attaches to the same cluster and, at seeded random moments, injects
+one fault at a time into the live pipeline (its actors carry names, ``RolePlacement``):
+
+- ``ray.kill`` of a rollout server or of a sandbox runner;
+- SIGKILL of a rollout server's process (the engine dying under it);
+- SIGKILL of a program the sandbox is running (the newest process under a runner);
+- SIGSTOP of a rollout server's process for 0.5 to 3 s, then SIGCONT: its replies are
+  delayed, draws and weight loads included;
+- once, SIGKILL of the driver process itself after a seeded update; the same command is
+  then run again and must resume from its checkpoint.
+
+Faults start once a driver has trained an update (a driver's start, the actors' and the
+restore, is spared), and kills leave at least one actor of each role alive in each
+driver's lifetime (actors are not restarted; the pool and the fleet work on without the
+dead). A poller asks every live
+rollout server its policy version throughout. After the run:
+
+- finished: summary.json reports every update, and the driver's last run exited 0;
+- whole groups: every update's admitted rollouts (verl_rows, every process's) hold each
+  of its groups whole, ``samples`` rollouts numbered 0..samples-1;
+- trained once: no (task, group, sample) appears in two updates of the final lineage, and
+  none is missing (``tasks_per_step`` groups per update, metrics.jsonl's tasks exactly);
+- versions: no server's polled policy version ever went down;
+- checkpoint: the final checkpoint's parameters equal the exported policy's bit for bit,
+  and a resumed driver said which update it resumed at, one its checkpoints held;
+- sandbox: no program the injector killed was reported COMPLETED (checked by
+  ``sandbox_chaos``: a SandboxFleet running programs while some are SIGKILLed).
+
+    uv run python bench/chaos.py [--steps 40] [--seed 0] [--every 3]
+
+Prints the faults injected and survived and the invariants; writes bench/results/chaos.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import ray
+
+from dew.inference.engines import free_port
+from dew.models.pretrained import Pretrained
+from dew.objectives.rl.verl import from_verl
+from dew.sandbox import ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+ROLES = ("rollout-server", "sandbox-runner")  # the roles faulted, as RolePlacement spells them in actor names
+
+
+# ----- processes --------------------------------------------------------------------------------------------------
+
+
+def children(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, oldest first."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parent = int(stat[stat.rindex(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        for child in parents.get(frontier.pop(), []):
+            found.append(child)
+            frontier.append(child)
+    return sorted(found)
+
+
+def signal_process(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class RayHead:
+    """A Ray head of its own (``ray start --head``) with a private temporary directory; ``address`` to attach."""
+
+    def __init__(self, cpus: int):
+        self.temp_dir = tempfile.mkdtemp(prefix="dew-chaos-ray-")
+        self.port = free_port()
+        self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "disabled"}
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={self.port}",
+                        f"--num-cpus={cpus}", f"--temp-dir={self.temp_dir}", "--include-dashboard=false",
+                        "--disable-usage-stats"], check=True, env=self.env, capture_output=True, timeout=180)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit() and int(entry.name) != os.getpid():
+                    try:
+                        if self.temp_dir in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                            os.kill(int(entry.name), sig)
+                    except OSError:
+                        pass
+            time.sleep(2)
+
+
+# ----- the injector -----------------------------------------------------------------------------------------------
+
+
+class Injector:
+    """Seeded faults into the actors of the run whose actor names start with ``prefix`` (see the module docstring)."""
+
+    def __init__(self, prefix: str, seed: int, servers: int, runners: int):
+        self.prefix, self.random = prefix, random.Random(seed)
+        self.limits = {"rollout-server": servers - 1, "sandbox-runner": runners - 1}
+        self.faults: Counter = Counter()
+        self.log: list[dict] = []
+        self.versions: dict[str, list[int]] = {}
+        self._killed: Counter = Counter()  # per actor-name prefix (one per driver lifetime) and role
+        self._pids: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_versions, daemon=True)
+
+    def actors(self) -> dict[str, list[str]]:
+        """Live named actors of this run, by role."""
+        found: dict[str, list[str]] = {role: [] for role in ROLES}
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry["name"]
+            if name.startswith(self.prefix):
+                role = name.rsplit("/", 1)[-1].rsplit("-", 1)[0]
+                if role in found:
+                    found[role].append((name, entry["namespace"]))
+        return found
+
+    def start(self) -> None:
+        self._poller.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._poller.join(timeout=30)
+
+    def _handle(self, name, namespace):
+        return ray.get_actor(name, namespace=namespace)
+
+    def _pid(self, name, namespace) -> int | None:
+        if name not in self._pids:
+            try:
+                handle = self._handle(name, namespace)
+                self._pids[name] = ray.get(handle.__ray_call__.remote(lambda host: os.getpid()), timeout=10)
+            except Exception:  # noqa: BLE001 - an actor that died or stalls has no pid to fault
+                return None
+        return self._pids[name]
+
+    def _poll_versions(self) -> None:
+        while not self._stop.wait(0.3):
+            try:
+                servers = self.actors()["rollout-server"]
+            except Exception:  # noqa: BLE001 - the GCS is busy or the cluster is going down
+                continue
+            for name, namespace in servers:
+                try:
+                    version = ray.get(self._handle(name, namespace).version.remote(), timeout=2)
+                except Exception:  # noqa: BLE001 - killed or stopped: nothing to observe this round
+                    continue
+                self.versions.setdefault(name, []).append(int(version))
+
+    def inject(self) -> str | None:
+        """One seeded fault into a live actor; returns its kind (None when no fault was possible now)."""
+        actors = self.actors()
+        kinds = ["SIGSTOP rollout server", "SIGKILL sandbox program"]
+        for role, label in (("rollout-server", "rollout server"), ("sandbox-runner", "sandbox runner")):
+            incarnation = actors[role][0][0].rsplit("/", 1)[0] if actors[role] else None
+            if incarnation and self._killed[(incarnation, role)] < self.limits[role]:
+                kinds.append(f"ray.kill {label}")
+                if role == "rollout-server":
+                    kinds.append("SIGKILL rollout server process")
+        kind = self.random.choice(kinds)
+        role = "rollout-server" if "rollout server" in kind else "sandbox-runner"
+        if not actors[role]:
+            return None
+        name, namespace = self.random.choice(sorted(actors[role]))
+        incarnation = name.rsplit("/", 1)[0]
+        if kind.startswith("ray.kill"):
+            ray.kill(self._handle(name, namespace), no_restart=True)
+            self._killed[(incarnation, role)] += 1
+        elif kind == "SIGKILL rollout server process":
+            pid = self._pid(name, namespace)
+            if pid is None or not signal_process(pid, signal.SIGKILL):
+                return None
+            self._killed[(incarnation, role)] += 1
+        elif kind == "SIGSTOP rollout server":
+            pid = self._pid(name, namespace)
+            if pid is None or not signal_process(pid, signal.SIGSTOP):
+                return None
+            time.sleep(self.random.uniform(0.5, 3.0))
+            signal_process(pid, signal.SIGCONT)
+        else:  # the newest process under the runner: a program (or its sandbox) while one runs
+            pid = self._pid(name, namespace)
+            programs = children(pid) if pid is not None else []
+            if not programs or not signal_process(programs[-1], signal.SIGKILL):
+                return None
+        self.faults[kind] += 1
+        self.log.append({"time": time.time(), "fault": kind, "actor": name})
+        return kind
+
+
+# ----- the run ----------------------------------------------------------------------------------------------------
+
+
+def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[str], servers: int = 3,
+              runners: int = 3, timeout: float = 3600.0) -> dict:
+    """The pipeline under faults until it finishes (see the module docstring); returns faults and invariants."""
+    head = RayHead(cpus=8)
+    name = run_dir.resolve().name
+    settings = [f"steps={steps}", f"servers={servers}", f"sandbox_runners={runners}", "server_cpus=0.5",
+                "sandbox_cpus=0.25", "verl_rows=true", "progress=false", *options]
+    command = [str(Path(sys.executable).parent / "dew-ray"), "rlvr", "--address", head.address,
+               f"--run-dir={run_dir}", *[f"--set={item}" for item in settings]]
+    rng = random.Random(seed)
+    kill_after = rng.randint(2, max(2, steps - 2))  # the update after which the driver is killed, once
+    outputs, resumed_at, driver_runs = [], [], 0
+    try:
+        ray.init(address=head.address, log_to_driver=False, configure_logging=False)
+        injector = Injector(f"dew-rlvr-{name}-", seed + 1, servers, runners)
+        injector.start()
+        deadline = time.monotonic() + timeout
+        driver_killed = False
+        while True:
+            driver_runs += 1
+            driver = subprocess.Popen(command, cwd=ROOT, env=head.env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+            lines: list[str] = []
+            reader = threading.Thread(target=lambda: lines.extend(driver.stdout), daemon=True)
+            reader.start()
+            next_fault = time.monotonic() + rng.uniform(0.5, 2) * every
+            first = _updates(run_dir)  # faults start once this driver trains: its start (actors, restore) is spared
+            while driver.poll() is None and time.monotonic() < deadline:
+                done = _updates(run_dir)
+                if not driver_killed and done >= kill_after:
+                    driver.send_signal(signal.SIGKILL)
+                    driver_killed = True
+                    injector.faults["SIGKILL driver"] += 1
+                    injector.log.append({"time": time.time(), "fault": "SIGKILL driver", "after_update": done})
+                    break
+                if time.monotonic() >= next_fault and done > first:
+                    injector.inject()
+                    next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * every
+                time.sleep(0.1)
+            driver.wait(timeout=120) if driver.poll() is None and driver_killed else None
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+                raise TimeoutError(f"the chaos run did not finish within {timeout:g} s")
+            reader.join(timeout=10)
+            outputs.append("".join(lines))
+            resumed_at += [int(line.rsplit(" ", 1)[-1]) for line in lines if line.startswith("resumed ")]
+            if driver.returncode == -signal.SIGKILL:
+                continue
+            break
+        injector.stop()
+        exit_code = driver.returncode
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        head.stop()
+    invariants = check_run(run_dir, injector.versions, resumed_at, exit_code)
+    return {"steps": steps, "seed": seed, "servers": servers, "runners": runners, "driver_runs": driver_runs,
+            "faults": dict(injector.faults), "injected": sum(injector.faults.values()),
+            "survived": sum(injector.faults.values()) if invariants["finished"]["ok"] else 0,
+            "resumed_at": resumed_at, "invariants": invariants, "log": injector.log,
+            "last_output": outputs[-1][-3000:] if outputs else ""}
+
+
+def _updates(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+# ----- the invariants ---------------------------------------------------------------------------------------------
+
+
+def check_run(run_dir: Path, versions: dict[str, list[int]], resumed_at: list[int], exit_code: int) -> dict:
+    config = json.loads((run_dir / "config.json").read_text())
+    steps, samples, per_step = config["steps"], config["samples"], config["tasks_per_step"]
+    out: dict[str, dict] = {}
+    summary = run_dir / "summary.json"
+    finished = exit_code == 0 and summary.exists() and json.loads(summary.read_text())["steps"] == steps
+    out["finished"] = {"ok": finished, "detail": f"exit {exit_code}, summary {'present' if summary.exists() else 'absent'}"}
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    out["updates once each"] = {"ok": [row["step"] for row in rows] == list(range(1, steps + 1)),
+                                "detail": f"{len(rows)} rows"}
+    keys, broken, mismatched = [], [], []
+    for row in rows:
+        path = run_dir / "verl_rows" / f"update-{row['step']:06d}.jsonl"
+        sessions = [t.session for t in from_verl([json.loads(x) for x in path.read_text().splitlines()])]
+        groups: dict[tuple, list[int]] = {}
+        for session in sessions:
+            groups.setdefault((session.task.id, session.group), []).append(session.sample)
+            keys.append((session.task.id, session.group, session.sample))
+        broken += [(row["step"], group) for group, drawn in groups.items() if sorted(drawn) != list(range(samples))]
+        if len(groups) != per_step or sorted({task for task, _ in groups}) != sorted(row["tasks"]):
+            mismatched.append(row["step"])
+    out["whole groups"] = {"ok": not broken, "detail": f"{len(broken)} broken groups {broken[:3]}"}
+    out["no sample trained twice"] = {"ok": len(keys) == len(set(keys)),
+                                      "detail": f"{len(keys)} rollouts, {len(keys) - len(set(keys))} repeated"}
+    out["no group lost"] = {"ok": not mismatched and len(keys) == steps * per_step * samples,
+                            "detail": f"{len(keys)} of {steps * per_step * samples} rollouts; updates off: {mismatched}"}
+    down = {name: seen for name, seen in versions.items() if any(b < a for a, b in zip(seen, seen[1:]))}
+    out["versions never go back"] = {"ok": not down and bool(versions),
+                                     "detail": f"{sum(map(len, versions.values()))} polls of {len(versions)} servers"}
+    out["checkpoint equals the policy"] = checkpoint_matches_policy(run_dir)
+    kept = sorted(int(p.name) for p in (run_dir / "grpo").iterdir() if p.name.isdigit())
+    out["resumed at a checkpoint"] = {"ok": all(0 < step <= steps for step in resumed_at),
+                                      "detail": f"resumed at {resumed_at}; checkpoints now {kept}"}
+    return out
+
+
+def checkpoint_matches_policy(run_dir: Path) -> dict:
+    """The newest checkpoint's parameters (the first leaves of its train state) against the exported policy."""
+    if not (run_dir / "policy" / "config.json").exists():
+        return {"ok": False, "detail": "no exported policy (the run did not finish)"}
+    manager = ocp.CheckpointManager((run_dir / "grpo").absolute())
+    step = manager.latest_step()
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+    manager.close()
+    policy = jax.tree.leaves(Pretrained.from_directory(run_dir / "policy").load())
+    saved = [np.asarray(state[name]) for name in sorted(state)[: len(policy)]]
+    equal = all(a.shape == b.shape and np.array_equal(a, np.asarray(b)) for a, b in zip(saved, policy, strict=True))
+    return {"ok": equal, "detail": f"checkpoint {step}: {len(policy)} arrays {'bit-equal' if equal else 'DIFFER'}"}
+
+
+# ----- the sandbox under kills ------------------------------------------------------------------------------------
+
+
+def sandbox_chaos(programs: int, seed: int, workers: int = 2) -> dict:
+    """``programs`` sleeping programs on a SandboxFleet while a seeded killer SIGKILLs the processes of some; every
+    killed program's verdict must be something other than COMPLETED."""
+    rng = random.Random(seed)
+    marker = f"dew-chaos-{os.getpid()}-{seed}"
+    fleet = SandboxFleet(ProcessRunner(), limits=SandboxLimits(wall_seconds=30), workers=workers)
+    killed: set[int] = set()
+    stop = threading.Event()
+
+    def killer():
+        while not stop.wait(rng.uniform(0.05, 0.3)):
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    line = (entry / "cmdline").read_bytes().decode(errors="replace")
+                except OSError:
+                    continue
+                if marker in line and "#" in line and rng.random() < 0.5:
+                    index = int(line.split(marker + "-")[1].split()[0].strip("\x00#'\""))
+                    if signal_process(int(entry.name), signal.SIGKILL):
+                        killed.add(index)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        sources = [f"import time  # {marker}-{i}\ntime.sleep({rng.uniform(0.2, 0.6):.2f})\nprint('done {i}')\n"
+                   for i in range(programs)]
+        outcomes = fleet.map([Program(argv=("python3", "-c", source)) for source in sources])
+    finally:
+        stop.set()
+        thread.join()
+        fleet.close()
+    completed_killed = sorted(i for i in killed if outcomes[i].verdict is Verdict.COMPLETED)
+    return {"programs": programs, "killed": len(killed), "verdicts": dict(Counter(o.verdict.value for o in outcomes)),
+            "killed_reported_completed": completed_killed, "ok": bool(killed) and not completed_killed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--every", type=float, default=3.0, help="mean seconds between faults")
+    parser.add_argument("--programs", type=int, default=200, help="programs of the sandbox part")
+    parser.add_argument("--run-dir", default=None, help="default: a fresh runs/chaos-<seed>-<time>")
+    parser.add_argument("--set", action="append", default=[], help="more pipeline config overrides")
+    args = parser.parse_args()
+    run_dir = Path(args.run_dir or ROOT / "runs" / f"chaos-{args.seed}-{int(time.time())}").resolve()
+    began = time.perf_counter()
+    result = chaos_run(run_dir, args.steps, args.seed, args.every, args.set)
+    result["sandbox"] = sandbox_chaos(args.programs, args.seed)
+    result["seconds"] = time.perf_counter() - began
+    print(f"\nchaos run {run_dir}: {args.steps} updates, seed {args.seed}, {result['driver_runs']} driver runs, "
+          f"{result['seconds']:.0f} s")
+    print(f"  faults injected {result['injected']}, survived {result['survived']}:")
+    for kind, count in sorted(result["faults"].items()):
+        print(f"    {kind:<32} {count}")
+    print("  invariants:")
+    for name, verdict in result["invariants"].items():
+        print(f"    {'ok  ' if verdict['ok'] else 'FAIL'} {name:<30} {verdict['detail']}")
+    sandbox = result["sandbox"]
+    print(f"    {'ok  ' if sandbox['ok'] else 'FAIL'} {'killed programs not COMPLETED':<30} {sandbox['killed']} of "
+          f"{sandbox['programs']} programs killed, verdicts {sandbox['verdicts']}, reported completed "
+          f"{sandbox['killed_reported_completed']}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "chaos.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {RESULTS / 'chaos.json'}")
+    ok = all(v["ok"] for v in result["invariants"].values()) and sandbox["ok"]
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""The RLVR pipeline under seeded faults (bench/chaos.py at a test's size): actors killed with ray.kill and SIGKILL,
+a rollout server stalled with SIGSTOP, sandbox programs killed, and the driver SIGKILLed once and run again. The run
+must finish, and every invariant read back from its run directory must hold."""
+
+import pytest
+from conftest import import_from
+
+chaos = import_from("bench", "chaos")
+TINY = ["sft_steps=10", "tasks_per_step=2", "samples=4", "max_new_tokens=40", "eval_tasks=4", "eval_samples=1",
+        "train_tasks=100", "checkpoint_every=1", "runner=process"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_pipeline_finishes_under_faults_and_keeps_its_invariants(tmp_path):
+    result = chaos.chaos_run(tmp_path / "chaos", steps=7, seed=1, every=1.5, options=TINY)
+    failed = {name: verdict["detail"] for name, verdict in result["invariants"].items() if not verdict["ok"]}
+    assert not failed, (failed, result["log"], result["last_output"])
+    assert result["faults"].get("SIGKILL driver") == 1 and result["driver_runs"] == 2
+    assert result["injected"] >= 3, result["log"]
+
+
+def test_the_sandbox_never_reports_a_killed_program_completed():
+    result = chaos.sandbox_chaos(programs=40, seed=3)
+    assert result["killed"] > 0 and result["killed_reported_completed"] == [], result
+    assert result["verdicts"].get("crashed", 0) >= result["killed"]
