@@ -209,10 +209,12 @@ class Injector:
                 return None
             time.sleep(self.random.uniform(0.5, 3.0))
             signal_process(pid, signal.SIGCONT)
-        else:  # the newest process under the runner: a program (or its sandbox) while one runs
+        else:  # the newest process under the runner: a program (or its sandbox), waited for up to 3 s
             pid = self._pid(name, namespace)
-            programs = children(pid) if pid is not None else []
-            if not programs or not signal_process(programs[-1], signal.SIGKILL):
+            until = time.monotonic() + 3
+            while pid is not None and not (programs := children(pid)) and time.monotonic() < until:
+                time.sleep(0.02)
+            if pid is None or not programs or not signal_process(programs[-1], signal.SIGKILL):
                 return None
         self.faults[kind] += 1
         self.log.append({"time": time.time(), "fault": kind, "actor": name})
@@ -323,7 +325,9 @@ def check_run(run_dir: Path, versions: dict[str, list[int]], resumed_at: list[in
                             "detail": f"{len(keys)} of {steps * per_step * samples} rollouts; updates off: {mismatched}"}
     down = {name: seen for name, seen in versions.items() if any(b < a for a, b in zip(seen, seen[1:]))}
     out["versions never go back"] = {"ok": not down and bool(versions),
-                                     "detail": f"{sum(map(len, versions.values()))} polls of {len(versions)} servers"}
+                                     "detail": f"{sum(map(len, versions.values()))} polls of {len(versions)} servers, "
+                                               f"versions {min(map(min, versions.values()), default=None)} to "
+                                               f"{max(map(max, versions.values()), default=None)}"}
     out["checkpoint equals the policy"] = checkpoint_matches_policy(run_dir)
     kept = sorted(int(p.name) for p in (run_dir / "grpo").iterdir() if p.name.isdigit())
     out["resumed at a checkpoint"] = {"ok": all(0 < step <= steps for step in resumed_at),
