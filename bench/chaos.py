@@ -10,6 +10,9 @@ one fault at a time into the live pipeline (its actors carry names, ``RolePlacem
 - SIGKILL of a program the sandbox is running (the newest process under a runner);
 - SIGSTOP of a rollout server's process for 0.5 to 3 s, then SIGCONT: its replies are
   delayed, draws and weight loads included;
+- SIGSTOP of a rollout server's process for 2.5 to 4 times the pools' ``server_timeout``,
+  then SIGCONT: its replies are lost while Ray still sees it alive (the pools set it aside,
+  draw its rollouts again elsewhere and take it back once it answers and has loaded);
 - once, SIGKILL of the driver process itself after a seeded update; the same command is
   then run again and must resume from its checkpoint.
 
@@ -48,6 +51,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -59,6 +63,7 @@ from dew.inference.engines import free_port
 from dew.models.pretrained import Pretrained
 from dew.objectives.rl.verl import from_verl
 from dew.sandbox import ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict
+from processes import descendants, signal_process, stop_ray_head
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -66,33 +71,6 @@ ROLES = ("rollout-server", "sandbox-runner")  # the roles faulted, as RolePlacem
 
 
 # ----- processes --------------------------------------------------------------------------------------------------
-
-
-def children(pid: int) -> list[int]:
-    """Every live descendant of ``pid``, oldest first."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                parent = int(stat[stat.rindex(")") + 2:].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            parents.setdefault(parent, []).append(int(entry.name))
-    found, frontier = [], [pid]
-    while frontier:
-        for child in parents.get(frontier.pop(), []):
-            found.append(child)
-            frontier.append(child)
-    return sorted(found)
-
-
-def signal_process(pid: int, sig: int) -> bool:
-    try:
-        os.kill(pid, sig)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 class RayHead:
@@ -108,15 +86,7 @@ class RayHead:
         self.address = f"127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit() and int(entry.name) != os.getpid():
-                    try:
-                        if self.temp_dir in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                            os.kill(int(entry.name), sig)
-                    except OSError:
-                        pass
-            time.sleep(2)
+        stop_ray_head(self.temp_dir, self.port)
 
 
 # ----- the injector -----------------------------------------------------------------------------------------------
@@ -125,8 +95,8 @@ class RayHead:
 class Injector:
     """Seeded faults into the actors of the run whose actor names start with ``prefix`` (see the module docstring)."""
 
-    def __init__(self, prefix: str, seed: int, servers: int, runners: int):
-        self.prefix, self.random = prefix, random.Random(seed)
+    def __init__(self, prefix: str, seed: int, servers: int, runners: int, server_timeout: float):
+        self.prefix, self.random, self.server_timeout = prefix, random.Random(seed), server_timeout
         self.limits = {"rollout-server": servers - 1, "sandbox-runner": runners - 1}
         self.faults: Counter = Counter()
         self.log: list[dict] = []
@@ -179,17 +149,22 @@ class Injector:
                     continue
                 self.versions.setdefault(name, []).append(int(version))
 
-    def inject(self) -> str | None:
-        """One seeded fault into a live actor; returns its kind (None when no fault was possible now)."""
+    def inject(self, wanted: str | None = None) -> str | None:
+        """One seeded fault into a live actor (of kind ``wanted`` if given); returns its kind (None when no fault
+        was possible now)."""
         actors = self.actors()
         kinds = ["SIGSTOP rollout server", "SIGKILL sandbox program"]
         for role, label in (("rollout-server", "rollout server"), ("sandbox-runner", "sandbox runner")):
             incarnation = actors[role][0][0].rsplit("/", 1)[0] if actors[role] else None
             if incarnation and self._killed[(incarnation, role)] < self.limits[role]:
                 kinds.append(f"ray.kill {label}")
-                if role == "rollout-server":
-                    kinds.append("SIGKILL rollout server process")
+                if role == "rollout-server":  # a stall past the timeout takes a server out for a while, as a kill
+                    kinds += ["SIGKILL rollout server process", "SIGSTOP rollout server past its timeout"]
         kind = self.random.choice(kinds)
+        if wanted is not None:
+            if wanted not in kinds:
+                return None
+            kind = wanted
         role = "rollout-server" if "rollout server" in kind else "sandbox-runner"
         if not actors[role]:
             return None
@@ -203,16 +178,17 @@ class Injector:
             if pid is None or not signal_process(pid, signal.SIGKILL):
                 return None
             self._killed[(incarnation, role)] += 1
-        elif kind == "SIGSTOP rollout server":
+        elif kind.startswith("SIGSTOP rollout server"):
             pid = self._pid(name, namespace)
             if pid is None or not signal_process(pid, signal.SIGSTOP):
                 return None
-            time.sleep(self.random.uniform(0.5, 3.0))
+            past = kind.endswith("past its timeout")
+            time.sleep(self.random.uniform(2.5, 4.0) * self.server_timeout if past else self.random.uniform(0.5, 3.0))
             signal_process(pid, signal.SIGCONT)
         else:  # the newest process under the runner: a program (or its sandbox), waited for up to 3 s
             pid = self._pid(name, namespace)
             until = time.monotonic() + 3
-            while pid is not None and not (programs := children(pid)) and time.monotonic() < until:
+            while pid is not None and not (programs := descendants(pid)) and time.monotonic() < until:
                 time.sleep(0.02)
             if pid is None or not programs or not signal_process(programs[-1], signal.SIGKILL):
                 return None
@@ -225,12 +201,17 @@ class Injector:
 
 
 def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[str], servers: int = 3,
-              runners: int = 3, timeout: float = 3600.0) -> dict:
-    """The pipeline under faults until it finishes (see the module docstring); returns faults and invariants."""
+              runners: int = 3, timeout: float = 3600.0, server_timeout: float = 10.0,
+              first: Sequence[str] = ()) -> dict:
+    """The pipeline under faults until it finishes (see the module docstring); returns faults and invariants.
+
+    ``first``: fault kinds injected before the seeded ones, in order (each once it is possible).
+    """
     head = RayHead(cpus=8)
     name = run_dir.resolve().name
     settings = [f"steps={steps}", f"servers={servers}", f"sandbox_runners={runners}", "server_cpus=0.5",
-                "sandbox_cpus=0.25", "verl_rows=true", "progress=false", *options]
+                "sandbox_cpus=0.25", "verl_rows=true", "progress=false", f"server_timeout={server_timeout:g}",
+                *options]
     command = [str(Path(sys.executable).parent / "dew-ray"), "rlvr", "--address", head.address,
                f"--run-dir={run_dir}", *[f"--set={item}" for item in settings]]
     rng = random.Random(seed)
@@ -238,10 +219,10 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
     outputs, resumed_at, driver_runs = [], [], 0
     try:
         ray.init(address=head.address, log_to_driver=False, configure_logging=False)
-        injector = Injector(f"dew-rlvr-{name}-", seed + 1, servers, runners)
+        injector = Injector(f"dew-rlvr-{name}-", seed + 1, servers, runners, server_timeout)
         injector.start()
         deadline = time.monotonic() + timeout
-        driver_killed = False
+        driver_killed, scripted = False, list(first)
         while True:
             driver_runs += 1
             driver = subprocess.Popen(command, cwd=ROOT, env=head.env, stdout=subprocess.PIPE,
@@ -250,7 +231,7 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
             reader = threading.Thread(target=lambda: lines.extend(driver.stdout), daemon=True)
             reader.start()
             next_fault = time.monotonic() + rng.uniform(0.5, 2) * every
-            first = _updates(run_dir)  # faults start once this driver trains: its start (actors, restore) is spared
+            started = _updates(run_dir)  # faults start once this driver trains: its start (actors, restore) is spared
             while driver.poll() is None and time.monotonic() < deadline:
                 done = _updates(run_dir)
                 if not driver_killed and done >= kill_after:
@@ -259,8 +240,9 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
                     injector.faults["SIGKILL driver"] += 1
                     injector.log.append({"time": time.time(), "fault": "SIGKILL driver", "after_update": done})
                     break
-                if time.monotonic() >= next_fault and done > first:
-                    injector.inject()
+                if time.monotonic() >= next_fault and done > started:
+                    if injector.inject(scripted[0] if scripted else None) and scripted:
+                        scripted.pop(0)
                     next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * every
                 time.sleep(0.1)
             driver.wait(timeout=120) if driver.poll() is None and driver_killed else None
@@ -329,7 +311,7 @@ def check_run(run_dir: Path, versions: dict[str, list[int]], resumed_at: list[in
                                                f"versions {min(map(min, versions.values()), default=None)} to "
                                                f"{max(map(max, versions.values()), default=None)}"}
     out["checkpoint equals the policy"] = checkpoint_matches_policy(run_dir)
-    kept = sorted(int(p.name) for p in (run_dir / "grpo").iterdir() if p.name.isdigit())
+    kept = sorted(int(p.name) for p in (run_dir / "grpo").glob("*") if p.name.isdigit())
     out["resumed at a checkpoint"] = {"ok": all(0 < step <= steps for step in resumed_at),
                                       "detail": f"resumed at {resumed_at}; checkpoints now {kept}"}
     return out
@@ -396,12 +378,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--every", type=float, default=3.0, help="mean seconds between faults")
     parser.add_argument("--programs", type=int, default=200, help="programs of the sandbox part")
+    parser.add_argument("--server-timeout", type=float, default=10.0,
+                        help="the pools' server_timeout; the long stalls last 2.5 to 4 times it")
     parser.add_argument("--run-dir", default=None, help="default: a fresh runs/chaos-<seed>-<time>")
     parser.add_argument("--set", action="append", default=[], help="more pipeline config overrides")
     args = parser.parse_args()
     run_dir = Path(args.run_dir or ROOT / "runs" / f"chaos-{args.seed}-{int(time.time())}").resolve()
     began = time.perf_counter()
-    result = chaos_run(run_dir, args.steps, args.seed, args.every, args.set)
+    result = chaos_run(run_dir, args.steps, args.seed, args.every, args.set, server_timeout=args.server_timeout)
     result["sandbox"] = sandbox_chaos(args.programs, args.seed)
     result["seconds"] = time.perf_counter() - began
     print(f"\nchaos run {run_dir}: {args.steps} updates, seed {args.seed}, {result['driver_runs']} driver runs, "

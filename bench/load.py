@@ -190,13 +190,18 @@ def front_load(requests: int, concurrency: int, waves: int = 2, slots: int = 8, 
 # ----- the rollout path -----------------------------------------------------------------------------------------
 
 
-def sharp_task(width: int = 64) -> ServingTask:
-    """The tests' sharp decoder (tests/conftest.py): weights scaled up so a sample does not depend on batching's
-    rounding; the same weights every call."""
+def sharp_decoder(width: int = 64):
+    """(model, variables): a small decoder whose weights are scaled up, so a sample does not depend on batching's
+    rounding (greedy choices far from ties); the same weights every call. The tests' ``sharp_decoder`` too."""
     model = models.build("causal_transformer", vocab_size=32, emb_features=32, num_layers=2, num_heads=4,
                          num_kv_heads=2, mlp_features=64, max_seq_len=width)
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    return ServingTask(model, jax.tree.map(lambda x: x * 3, variables), Sampling(temperature=1.0, top_k=8))
+    return model, jax.tree.map(lambda x: x * 3, variables)
+
+
+def sharp_task(width: int = 64) -> ServingTask:
+    """The sharp decoder, sampled at temperature 1 from the 8 likeliest ids, without an EOS."""
+    return ServingTask(*sharp_decoder(width), Sampling(temperature=1.0, top_k=8))
 
 
 def rollout_load(task, draws: int, servers: int, slots: int, capacity: int = 64, budget: int = 8,

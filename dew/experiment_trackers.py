@@ -139,14 +139,14 @@ class _WandBWriter:
 ExperimentTracker = TensorBoard | WandB
 
 
-def tracker_of(tracker: str | ExperimentTracker) -> ExperimentTracker:
-    """A tracker from its name ("tensorboard", "wandb") or itself."""
+def tracker_of(tracker: str | ExperimentTracker, wandb: WandB | None = None) -> ExperimentTracker:
+    """A tracker from its name ("tensorboard", "wandb": ``wandb``'s settings, default WandB()) or itself."""
     if isinstance(tracker, (TensorBoard, WandB)):
         return tracker
     if tracker == "tensorboard":
         return TensorBoard()
     if tracker == "wandb":
-        return WandB()
+        return wandb or WandB()
     raise ValueError(f"unknown tracker {tracker!r}: expected one of {list(TRACKER_NAMES)}, a TensorBoard or a WandB")
 
 
@@ -168,7 +168,7 @@ class TrackerOptions(Config):
     def experiment_trackers(self, name: str | None = None, group: str | None = None) -> tuple[ExperimentTracker, ...]:
         """The configured trackers; ``name`` and ``group`` label the W&B run."""
         wandb = WandB(project=self.wandb_project, mode=self.wandb_mode, name=name, group=group)
-        return tuple(TensorBoard() if tracker == "tensorboard" else wandb for tracker in dict.fromkeys(self.trackers))
+        return tuple(tracker_of(tracker, wandb) for tracker in dict.fromkeys(self.trackers))
 
 
 class MetricWriters:

@@ -9,7 +9,11 @@ the broadcast's ``version`` moves to ``version`` only when every actor loaded it
 failed or refused load raises in the trainer naming the actor. Actors that loaded before
 one failed keep serving the new weights: the scheduler's next push loads them all again.
 With ``drop_dead=True`` an actor that has died is not a failure: it leaves the broadcast
-(its name is added to ``dropped``) and the others carry on; with none left, ``load`` raises.
+(its name is added to ``dropped``) and the others carry on; one that does not answer
+within ``timeout`` seconds (stopped, not dead) is set aside (its name is added to
+``aside``): later loads skip it until ``rejoin(name)``, which first loads it with the
+newest weights published (the broadcast keeps that one object alive for this). With none
+left, ``load`` raises.
 
 An actor here is anything whose ``load.remote(variables, version)`` returns an ObjectRef
 of the version it serves: :class:`dew_ray.actors.RolloutServerActor` is one. Publishers
@@ -19,12 +23,13 @@ for vLLM/SGLang replicas (safetensors reload, NCCL) plug in beside this one with
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dew.inference import WeightPublisher
 
@@ -54,21 +59,61 @@ class WeightBroadcast(WeightPublisher):
             raise ValueError(f"got {len(names)} names for {len(actors)} actors")
         self.actors, self.names, self.timeout, self.drop_dead = actors, names, timeout, drop_dead
         self.dropped: list[str] = []
+        self.aside: set[str] = set()
+        self._lock = threading.Lock()
         self._version = version
+        self._newest = None  # the object of the newest version published, for a set-aside actor's rejoin
 
     @property
     def version(self) -> int:
         return self._version
 
-    def load(self, variables, version: int) -> None:
-        """Put ``variables`` once and load it into every actor; raises naming the first actor that failed."""
+    def set_aside(self, name: str) -> None:
+        """Leave ``name`` out of loads until ``rejoin(name)`` (its owner found it not answering)."""
+        with self._lock:
+            self.aside.add(name)
+
+    def rejoin(self, name: str, serving: int | None = None) -> bool:
+        """Load actor ``name`` (set aside) with the newest weights published, unless it is ``serving`` their
+        version already, then include it in loads again; False (and it stays aside) when it does not load them
+        within ``timeout`` seconds."""
+        with self._lock:
+            actor, newest, version = self.actors[self.names.index(name)], self._newest, self._version
+        if newest is not None and serving != version:
+            try:
+                served = ray.get(actor.load.remote(newest, version), timeout=self.timeout)
+            except (RayActorError, GetTimeoutError):
+                return False
+            if served != version:
+                return False
+        with self._lock:
+            self.aside.discard(name)
+        return True
+
+    def load(self, variables, version: int) -> list[str]:
+        """Put ``variables`` once and load it into every actor not set aside; returns the names that loaded it.
+
+        Raises naming the first actor that failed (see the module docstring for the dead and the silent).
+        """
         version = int(version)
         tree = ray.put(host_tree(variables))
-        pending = [(name, actor.load.remote(tree, version)) for name, actor in zip(self.names, self.actors)]
-        failures, dead = [], []
-        for index, (name, ref) in enumerate(pending):
+        with self._lock:
+            members = [(i, name, actor) for i, (name, actor) in enumerate(zip(self.names, self.actors))
+                       if name not in self.aside]
+        pending = [(index, name, actor.load.remote(tree, version)) for index, name, actor in members]
+        answered, _ = ray.wait([ref for _, _, ref in pending], num_returns=len(pending), timeout=self.timeout)
+        answered = set(answered)
+        failures, dead, loaded = [], [], []
+        for index, name, ref in pending:
+            if ref not in answered:
+                silent = TimeoutError(f"it did not answer within {self.timeout:g} s")
+                if self.drop_dead:
+                    self.set_aside(name)
+                else:
+                    failures.append((index, name, silent))
+                continue
             try:
-                served = ray.get(ref, timeout=self.timeout)
+                served = ray.get(ref)
             except RayActorError as error:
                 (dead if self.drop_dead else failures).append((index, name, error))
                 continue
@@ -77,11 +122,17 @@ class WeightBroadcast(WeightPublisher):
                 continue
             if served != version:
                 failures.append((index, name, RuntimeError(f"it serves version {served} after the load")))
-        for index, name, _ in reversed(dead):
-            del self.actors[index], self.names[index]
-            self.dropped.append(name)
-        if not self.actors:
-            raise RuntimeError(f"publishing version {version} failed: every actor has died ({', '.join(self.dropped)})")
+            else:
+                loaded.append(name)
+        with self._lock:
+            for index, name, _ in reversed(dead):
+                del self.actors[index], self.names[index]
+                self.dropped.append(name)
+            serving = [name for name in self.names if name not in self.aside]
+        if not serving:
+            raise RuntimeError(f"publishing version {version} failed: every actor has died or stopped answering "
+                               f"(died: {', '.join(self.dropped) or 'none'}; set aside: "
+                               f"{', '.join(sorted(self.aside)) or 'none'})")
         if failures:
             _, name, error = failures[0]
             others = f" (and {len(failures) - 1} more actor(s))" if len(failures) > 1 else ""
@@ -89,4 +140,5 @@ class WeightBroadcast(WeightPublisher):
                 f"publishing version {version} failed on {name}{others}: {describe(error)}; "
                 f"the broadcast stays at version {self._version}"
             ) from error
-        self._version = version
+        self._version, self._newest = version, tree
+        return loaded

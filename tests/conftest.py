@@ -139,15 +139,7 @@ def tiny_model():
 @pytest.fixture(scope="module")
 def sharp_decoder():
     """(model, variables) of a small decoder whose weights are scaled up, so greedy choices are far from ties."""
-    import jax
-    import jax.numpy as jnp
-
-    from dew import models
-
-    model = models.build("causal_transformer", vocab_size=32, emb_features=32, num_layers=2, num_heads=4,
-                         num_kv_heads=2, mlp_features=64, max_seq_len=64)
-    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    return model, jax.tree.map(lambda x: x * 3, variables)
+    return import_from("bench", "load").sharp_decoder()
 
 
 @pytest.fixture(scope="module")

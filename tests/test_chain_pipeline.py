@@ -9,8 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT, free_port
-from test_rlvr_pipeline import stop_head
+from conftest import ROOT, free_port, import_from
 from test_stage_cli import write_data, write_model
 
 from dew.config import ConfigError, load_config
@@ -144,4 +143,4 @@ def test_the_chain_runs_as_a_submitted_ray_job(tmp_path):
         assert [stage["name"] for stage in summary["stages"]] == ["warm", "prefer", "reinforce"]
         assert (tmp_path / "submitted" / "reinforce" / "policy" / "model.safetensors").exists()
     finally:
-        stop_head(temp_dir)
+        import_from("bench", "processes").stop_ray_head(temp_dir, port)

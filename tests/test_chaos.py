@@ -1,6 +1,7 @@
 """The RLVR pipeline under seeded faults (bench/chaos.py at a test's size): actors killed with ray.kill and SIGKILL,
-a rollout server stalled with SIGSTOP, sandbox programs killed, and the driver SIGKILLed once and run again. The run
-must finish, and every invariant read back from its run directory must hold."""
+a rollout server stalled with SIGSTOP (briefly, and once past the pools' server_timeout, so its replies are lost while
+it lives), sandbox programs killed, and the driver SIGKILLed once and run again. The run must finish, and every
+invariant read back from its run directory must hold."""
 
 import pytest
 from conftest import import_from
@@ -13,11 +14,12 @@ TINY = ["sft_steps=10", "tasks_per_step=2", "samples=4", "max_new_tokens=40", "e
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_pipeline_finishes_under_faults_and_keeps_its_invariants(tmp_path):
-    result = chaos.chaos_run(tmp_path / "chaos", steps=7, seed=1, every=1.5, options=TINY)
+    result = chaos.chaos_run(tmp_path / "chaos", steps=7, seed=1, every=1.5, options=TINY, server_timeout=5,
+                             first=["SIGSTOP rollout server past its timeout"])
     failed = {name: verdict["detail"] for name, verdict in result["invariants"].items() if not verdict["ok"]}
     assert not failed, (failed, result["log"], result["last_output"])
     assert result["faults"].get("SIGKILL driver") == 1 and result["driver_runs"] == 2
-    assert result["injected"] >= 3, result["log"]
+    assert result["injected"] >= 3 and result["faults"].get("SIGSTOP rollout server past its timeout"), result["log"]
 
 
 def test_the_sandbox_never_reports_a_killed_program_completed():

@@ -2,6 +2,8 @@
 
 import asyncio
 import itertools
+import os
+import signal
 import threading
 import time
 
@@ -15,7 +17,7 @@ ray = pytest.importorskip("ray")
 
 from dew import Dataset, Trainer  # noqa: E402
 from dew.data.prompts import utf8_column  # noqa: E402
-from dew.inference import NativeRolloutServer, Server, ServingTask  # noqa: E402
+from dew.inference import NativeRolloutServer, Server, ServerDied, ServingTask  # noqa: E402
 from dew.objectives.rl import GRPOObjective, PromptSource  # noqa: E402
 from dew.collection.scheduler import RolloutScheduler  # noqa: E402
 from dew.collection.tasks import prompt_tasks  # noqa: E402
@@ -250,6 +252,45 @@ def test_training_continues_when_a_rollout_server_is_killed_mid_batch(cluster, e
     assert killed.is_set() and sum(r.resubmissions.get("infra_error", 0) for r in records) >= 1  # drawn again
     assert pool.live() == [1] and pool.version == 2
     ray.kill(pool.servers[1].actor)
+
+
+def test_a_stopped_rollout_server_is_set_aside_and_rejoins(cluster, serving, sharp_decoder):
+    """SIGSTOPs one of two pooled RolloutServerActors (alive to Ray, answering nothing): its draws fail as ServerDied
+    within the pool's timeout and draw again on the other, a weight load skips it, and after SIGCONT it is loaded
+    with the pool's newest weights and takes draws again."""
+    timeout = 1.5
+    pool = start_rollout_servers(serving, count=2, slots=2, capacity=64, version=0, num_cpus=0.5, timeout=timeout)
+    stopped = pool.servers[0]
+    pid = ray.get(stopped.actor.__ray_call__.remote(lambda host: os.getpid()))
+    assert all(d.ids for d in [pool.submit([20, 21], 8, seed=s).result(60) for s in range(4)])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        futures = [pool.submit([20 + s % 5, 21], 8, seed=s) for s in range(6)]
+        outcomes = []
+        for seed, future in enumerate(futures):
+            try:
+                outcomes.append(future.result(30))
+            except ServerDied as error:
+                assert "set aside" in str(error)
+                outcomes.append(pool.submit([20 + seed % 5, 21], 8, seed=seed).result(30))  # drawn again
+        assert time.monotonic() - began < 6 * timeout and pool.aside() == [0] and pool.live() == [1]
+        assert all(d.ids for d in outcomes)
+        began = time.monotonic()
+        pool.load(sharp_decoder[1], 1)  # the silent server is not waited on
+        assert time.monotonic() - began < timeout and pool.version == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while pool.aside() and time.monotonic() < deadline:  # probed until it answers, then loaded with version 1
+        time.sleep(0.1)
+    assert pool.live() == [0, 1] and ray.get(stopped.actor.version.remote()) == 1
+    pool.load(sharp_decoder[1], 2)
+    assert [ray.get(s.actor.version.remote()) for s in pool.servers] == [2, 2]
+    assert all(d.version == 2 for d in [pool.submit([20, 21], 4, seed=s).result(60) for s in range(4)])
+    pool.close()
+    for server in pool.servers:
+        ray.kill(server.actor)
 
 
 def test_environment_workers_run_sessions_and_the_scheduler_trains_through_them(cluster, serving, sharp_decoder):

@@ -19,12 +19,14 @@ from safetensors.numpy import load_file
 
 ray = pytest.importorskip("ray")
 
-from conftest import ROOT, free_port  # noqa: E402
+from conftest import ROOT, free_port, import_from  # noqa: E402
 
 from dew.data.verifiable import task_tokenizer  # noqa: E402
 from dew.objectives.rl.verl import from_verl, to_verl  # noqa: E402
 from dew_ray.pipelines.rlvr import RLVRPipeline, RLVRPipelineConfig, load_config  # noqa: E402
 from tracker_files import tensorboard_scalars, wandb_history  # noqa: E402
+
+processes = import_from("bench", "processes")
 
 VERL_PARQUET = ROOT / "tests" / "fixtures" / "verl_gsm8k_tool_agent_loop.parquet"  # tools/verl_interop_reference.py
 
@@ -163,19 +165,6 @@ def read_verl_rows(run: Path, line: dict) -> list:
     return sessions
 
 
-def group_processes(group: int) -> list[int]:
-    """Live processes of process group ``group`` (zombies aside)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == group:
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(tmp_path):
@@ -191,7 +180,7 @@ def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(
             engine = pipeline._actors[0]
             assert ray.get(engine.healthy.remote())
             group = ray.get(engine.process_group.remote())
-            assert len(group_processes(group)) >= 3  # the guard, vLLM's API server, its engine core and worker
+            assert len(processes.group_processes(group)) >= 3  # the guard, vLLM's API server, its engine core and worker
             rows = pipeline.step(4)
             assert [row["step"] for row in rows] == [1, 2, 3, 4]
             assert rows[-1]["scheduler/version"] == 3 and max(row["scheduler/lag"] for row in rows) <= 1
@@ -200,9 +189,9 @@ def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(
             assert max(pipeline.pool.weights.push.published.values()) < 1e-4
             assert pipeline.pool.version == 4
         deadline = time.monotonic() + 30  # killing the actor (ray.kill, no close) kills every process of its engine
-        while group_processes(group) and time.monotonic() < deadline:
+        while processes.group_processes(group) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not group_processes(group), f"vLLM processes outlived their actor: {group_processes(group)}"
+        assert not processes.group_processes(group), f"vLLM processes outlived their actor: {processes.group_processes(group)}"
     finally:
         ray.shutdown()
     assert summary["steps"] == 4 and set(summary["reward_after"]) == {"all", "math", "code"}
@@ -264,20 +253,6 @@ def readme_submit_lines() -> list[str]:
     return lines[:-1]
 
 
-def stop_head(temp_dir: str) -> None:
-    """SIGTERM, then SIGKILL, every process of the Ray head whose temporary directory is ``temp_dir``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                if temp_dir in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    os.kill(int(entry.name), sig)
-            except (OSError, ProcessLookupError):
-                pass
-        time.sleep(3)
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_readme_job_submit_lines_work_as_written_on_this_machine():
@@ -308,7 +283,7 @@ def test_the_readme_job_submit_lines_work_as_written_on_this_machine():
         assert "'run_dir' is relative ('runs/jobsub-relative') and this driver runs as a submitted Ray job" in said
         assert "--set run_dir=$PWD/runs/jobsub-relative" in said
     finally:
-        stop_head(temp_dir)
+        processes.stop_ray_head(temp_dir, 6379)  # the README head: Ray's default GCS port
         shutil.rmtree(outputs, ignore_errors=True)
 
 

@@ -33,7 +33,7 @@ from dew.inference.wire import EngineError
 __all__ = [
     "Completion", "CompletionChoice", "Draw", "DrawFuture", "EngineError", "EnginePool", "EngineRolloutServer",
     "Finished", "Gateway", "GatewayError", "Generation", "LandingCheck", "LandingError", "NCCLPush",
-    "NativeRolloutServer", "OpenAICompletion", "OpenAIFront", "OpenAIRolloutServer", "Publication", "RolloutServer", "ServerDied",
-    "SafetensorsReload", "Server", "ServingTask", "SessionProxy", "TextGeneration", "VLLMEngine",
+    "NativeRolloutServer", "OpenAICompletion", "OpenAIFront", "OpenAIRolloutServer", "Publication", "RolloutServer",
+    "SafetensorsReload", "Server", "ServerDied", "ServingTask", "SessionProxy", "TextGeneration", "VLLMEngine",
     "VLLMGenerateServer", "WeightPublisher", "engine_client", "engine_python",
 ]

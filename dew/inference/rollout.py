@@ -51,7 +51,8 @@ class Draw:
 
 
 class ServerDied(RuntimeError):
-    """A draw's server process died before answering; the same draw can be submitted again elsewhere."""
+    """A draw's server died, or stopped answering and was set aside, before answering; the same draw can be
+    submitted again elsewhere."""
 
 
 class DrawFuture(Future):

@@ -11,20 +11,26 @@ version) over Ray calls, so PromptSource and EnvironmentSource run unchanged aga
 local server or a remote one. :class:`ServerPool` spreads draws over several servers
 (the one with the fewest draws in flight takes the next) and loads weights into all of
 them with one object-store put (:class:`~dew_ray.weights.WeightBroadcast`). A server
-whose actor dies fails its draws, which the scheduler sees as infrastructure errors and
-submits again; the pool leaves the dead server out from then on.
+whose actor dies fails its draws (:class:`~dew.inference.ServerDied`), which the
+scheduler sees as infrastructure errors and submits again; the pool leaves the dead
+server out from then on. With a ``timeout``, a server that stops answering (its process
+stopped or wedged, alive to Ray) is found by its silence: its draws fail the same way and
+go to the others, weight loads stop waiting on it, and it takes draws again once it
+answers and serves the pool's weights.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from dew.inference import (
     Draw,
@@ -38,7 +44,9 @@ from dew.inference import (
     ServingTask,
 )
 from dew_ray.weights import WeightBroadcast
-from dew.validation import positive_int
+from dew.validation import positive, positive_int
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutServerHost:
@@ -55,6 +63,9 @@ class RolloutServerHost:
                                            version=version, landing=landing)
         self._draws: dict[str, DrawFuture] = {}
         self._cancelled: set[str] = set()
+        # one thread: loads apply in the order they arrive, so a load that waited out a stall never lands
+        # after a newer one and the served version never goes back
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="dew-server-load")
         self.front = None
         if http:
             self.front = OpenAIFront(self.rollout, tokenizer, host=host)
@@ -80,7 +91,7 @@ class RolloutServerHost:
 
     async def load(self, variables, version: int) -> int:
         """Serve ``variables`` from the next decode step on; returns the version now served."""
-        await asyncio.get_running_loop().run_in_executor(None, self.rollout.load, variables, version)
+        await asyncio.get_running_loop().run_in_executor(self._loads, self.rollout.load, variables, version)
         return self.rollout.version
 
     async def version(self) -> int:
@@ -96,6 +107,7 @@ class RolloutServerHost:
         if self.front is not None:
             self.front.close()
         self.rollout.close()
+        self._loads.shutdown(wait=False)
 
 
 RolloutServerActor = ray.remote(RolloutServerHost)
@@ -117,24 +129,32 @@ class RemoteRolloutServer(RolloutServer):
             publisher = WeightBroadcast([actor], [name], version=served)
         self.publisher = publisher
         self._lock = threading.Lock()
-        self.in_flight = 0
+        self._pending: dict[str, tuple[DrawFuture, float]] = {}  # unanswered draws and when each was sent
+        self._answered = time.monotonic()
 
     @property
     def version(self) -> int:
         return self.publisher.version
 
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
         future = DrawFuture()
         future.request = uuid.uuid4().hex
-        ref = self.actor.draw.remote(future.request, [int(i) for i in prompt_ids], int(max_new_tokens), int(seed))
         with self._lock:
-            self.in_flight += 1
+            self._pending[future.request] = (future, time.monotonic())
+        ref = self.actor.draw.remote(future.request, [int(i) for i in prompt_ids], int(max_new_tokens), int(seed))
         ref.future().add_done_callback(lambda done: self._settle(future, done))
         return future
 
     def _settle(self, future: DrawFuture, done: Future) -> None:
         with self._lock:
-            self.in_flight -= 1
+            if self._pending.pop(future.request, None) is None:  # failed already (``fail_pending``)
+                return
+            self._answered = time.monotonic()
         error = done.exception()
         if error is None:
             future.set_result(done.result())
@@ -149,13 +169,48 @@ class RemoteRolloutServer(RolloutServer):
     def load(self, variables, version: int) -> None:
         self.publisher.load(variables, version)
 
-    def alive(self, timeout: float = 30.0) -> bool:
-        """Whether the actor answers; a blocking Ray call, so never call it holding a lock others need."""
+    def silent_for(self) -> float:
+        """Seconds since the actor last answered while draws wait on it (0 when none wait)."""
+        with self._lock:
+            if not self._pending:
+                return 0.0
+            since = max(self._answered, min(sent for _, sent in self._pending.values()))
+        return time.monotonic() - since
+
+    def probe(self, timeout: float) -> int | None:
+        """The version the actor serves, None when it does not answer within ``timeout`` s; ServerDied when dead.
+
+        A blocking Ray call: never call it holding a lock others need.
+        """
         try:
-            ray.get(self.actor.version.remote(), timeout=timeout)
-        except RayActorError:
+            served = ray.get(self.actor.version.remote(), timeout=timeout)
+        except RayActorError as error:
+            raise ServerDied(f"{self.name} has died: {error}") from error
+        except GetTimeoutError:
+            return None
+        with self._lock:
+            self._answered = time.monotonic()
+        return int(served)
+
+    def alive(self, timeout: float = 30.0) -> bool:
+        """Whether the actor lives (one that is slow to answer counts as alive); see ``probe``."""
+        try:
+            self.probe(timeout)
+        except ServerDied:
             return False
         return True
+
+    def fail_pending(self, error: BaseException) -> int:
+        """Fail every unanswered draw with ``error`` (and cancel it on the actor); returns how many.
+
+        Their replies, if the actor answers later, are dropped.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for request, (future, _) in pending.items():
+            self.actor.cancel.remote(request)
+            future.set_exception(error)
+        return len(pending)
 
 
 class ServerPool(RolloutServer):
@@ -165,36 +220,66 @@ class ServerPool(RolloutServer):
     the pool and its members. When a draw fails, whether its server died is asked on a
     thread of the pool's own, outside the lock ``submit`` takes: a server that stops
     answering delays only the check of its own liveness, never the other servers' draws.
+
+    ``timeout`` (seconds, or None to wait for ever): a server that has draws waiting and
+    answers nothing for ``timeout`` seconds is probed; if the probe goes unanswered for
+    ``timeout`` seconds too, the server is set aside: its waiting draws fail with
+    :class:`~dew.inference.ServerDied` (callers draw them again, on the others), no draw
+    goes to it, and weight loads skip it (a load it does not answer within ``timeout`` sets
+    it aside as well). It is probed again until it answers; then it loads the pool's newest
+    weights (:meth:`WeightBroadcast.rejoin`) and takes draws again.
     """
 
-    def __init__(self, servers: Sequence[RemoteRolloutServer]):
+    def __init__(self, servers: Sequence[RemoteRolloutServer], timeout: float | None = None):
         self.servers = list(servers)
         if not self.servers:
             raise ValueError("ServerPool needs at least one server")
         names = [server.name for server in self.servers]
         if len(set(names)) != len(names):
             raise ValueError(f"the pool's servers need distinct names (a dead one is found by name), got {names}")
+        if timeout is not None:
+            positive("timeout", timeout, why="seconds, or None")
+        self.timeout = timeout
         self.publisher = WeightBroadcast([s.actor for s in self.servers], names,
-                                         version=min(server.version for server in self.servers), drop_dead=True)
+                                         version=min(server.version for server in self.servers), drop_dead=True,
+                                         **({} if timeout is None else {"timeout": timeout}))
         for server in self.servers:
             server.publisher = self.publisher
         self._dead: set[int] = set()
+        self._aside: set[int] = set()  # silent: no draws, no loads, probed until it answers and catches up
+        self._probing: set[int] = set()
         self._owner: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._checks = ThreadPoolExecutor(1, thread_name_prefix="dew-pool-liveness")
+        self._probes = ThreadPoolExecutor(len(self.servers), thread_name_prefix="dew-pool-probe")
+        if timeout is not None:
+            threading.Thread(target=self._watch, name="dew-pool-watch", daemon=True).start()
 
     @property
     def version(self) -> int:
         return self.publisher.version
 
     def live(self) -> list[int]:
+        """The servers that take draws: not dead, not set aside."""
         with self._lock:
-            return [i for i in range(len(self.servers)) if i not in self._dead]
+            out = self._dead | self._aside
+            return [i for i in range(len(self.servers)) if i not in out]
+
+    def aside(self) -> list[int]:
+        """The servers set aside for not answering."""
+        with self._lock:
+            return sorted(self._aside - self._dead)
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
         live = self.live()
+        if not live and self.aside() and self.timeout is not None:  # one may answer again soon: wait for it a while
+            until = time.monotonic() + self.timeout
+            while not (live := self.live()) and self.aside() and time.monotonic() < until:
+                time.sleep(0.05)
         if not live:
-            raise RuntimeError(f"every rollout server of the pool has died ({len(self.servers)} started)")
+            raise RuntimeError(f"no rollout server of the pool takes draws: of {len(self.servers)} started, "
+                               f"{len(self._dead)} died and {len(self.aside())} stopped answering")
         index = min(live, key=lambda i: self.servers[i].in_flight)
         future = self.servers[index].submit(prompt_ids, max_new_tokens, seed)
         with self._lock:
@@ -213,6 +298,59 @@ class ServerPool(RolloutServer):
             with self._lock:
                 self._dead.add(index)
 
+    def _watch(self) -> None:
+        """Probe each server that has draws waiting and has said nothing for ``timeout`` seconds."""
+        while not self._closed.wait(min(1.0, self.timeout / 4)):
+            for index, server in enumerate(self.servers):
+                with self._lock:
+                    if index in self._dead | self._aside | self._probing:
+                        continue
+                if server.silent_for() >= self.timeout:
+                    self._probe_soon(index)
+
+    def _probe_soon(self, index: int) -> None:
+        with self._lock:
+            if index in self._probing or self._closed.is_set():
+                return
+            self._probing.add(index)
+        self._probes.submit(self._probe, index)
+
+    def _probe(self, index: int) -> None:
+        """Probe server ``index`` until it answers or dies; set it aside while it does not."""
+        server = self.servers[index]
+        try:
+            while not self._closed.is_set():
+                try:
+                    served = server.probe(self.timeout)
+                except ServerDied as error:
+                    with self._lock:
+                        self._dead.add(index)
+                    server.fail_pending(error)
+                    return
+                with self._lock:
+                    silent = index in self._aside
+                if served is not None and not silent:
+                    return
+                if served is not None and self.publisher.rejoin(server.name, served):
+                    with self._lock:
+                        self._aside.discard(index)
+                    logger.warning("%s answers again and serves version %d: it takes draws again", server.name,
+                                   self.publisher.version)
+                    return
+                if not silent:  # (served is None)
+                    self._set_aside(index, f"it answered nothing for {2 * self.timeout:g} s with draws waiting")
+        finally:
+            with self._lock:
+                self._probing.discard(index)
+
+    def _set_aside(self, index: int, why: str) -> None:
+        server = self.servers[index]
+        with self._lock:
+            self._aside.add(index)
+        self.publisher.set_aside(server.name)
+        failed = server.fail_pending(ServerDied(f"{server.name} was set aside: {why}; its draws go to the others"))
+        logger.warning("%s set aside (%s); %d draws go to the other servers", server.name, why, failed)
+
     def cancel(self, draw: DrawFuture) -> None:
         with self._lock:
             index = self._owner.get(draw.request)
@@ -220,26 +358,38 @@ class ServerPool(RolloutServer):
             self.servers[index].cancel(draw)
 
     def load(self, variables, version: int) -> None:
-        """Load every live server (one object-store put); servers found dead leave the pool."""
+        """Load every server not set aside (one object-store put); see the class docstring."""
         try:
             self.publisher.load(variables, version)
         finally:
-            dropped = set(self.publisher.dropped)
+            dropped, aside = set(self.publisher.dropped), set(self.publisher.aside)
+            newly = []
             with self._lock:
-                self._dead.update(i for i, server in enumerate(self.servers) if server.name in dropped)
+                for i, server in enumerate(self.servers):
+                    if server.name in dropped:
+                        self._dead.add(i)
+                    elif server.name in aside and i not in self._aside:
+                        newly.append(i)
+            for i in newly:
+                self._set_aside(i, f"it did not load version {version} within {self.publisher.timeout:g} s")
+                self._probe_soon(i)
 
     def close(self) -> None:
+        self._closed.set()
         self._checks.shutdown(wait=False, cancel_futures=True)
+        self._probes.shutdown(wait=False, cancel_futures=True)
 
 
 def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: int, lanes: int = 1,
                           version: int = 0, http: bool = False, num_cpus: float = 1, placement=None,
-                          **options) -> ServerPool:
+                          timeout: float | None = None, **options) -> ServerPool:
     """``count`` RolloutServerActors serving ``task``, behind one :class:`ServerPool`.
 
-    ``placement(i)``, when given, returns actor i's options (its CPUs and placement-group bundle).
+    ``placement(i)``, when given, returns actor i's options (its CPUs and placement-group bundle);
+    ``timeout``: the pool's (how long a silent server is waited for before it is set aside).
     """
     positive_int("count", count)
     actors = [RolloutServerActor.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **options)
               .remote(task, slots, capacity, lanes=lanes, version=version, http=http) for i in range(count)]
-    return ServerPool([RemoteRolloutServer(actor, f"rollout server {i}") for i, actor in enumerate(actors)])
+    return ServerPool([RemoteRolloutServer(actor, f"rollout server {i}") for i, actor in enumerate(actors)],
+                      timeout=timeout)

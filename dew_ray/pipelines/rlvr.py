@@ -220,7 +220,8 @@ class RLVRPipeline:
             sampling = Sampling(eos_id=tokenizer.eos_token_id, temperature=1.0)
             self.pool = start_rollout_servers(ServingTask(self.model, self.params, sampling), config.servers,
                                               slots=config.slots, capacity=width, version=-1,
-                                              placement=lambda i: placement.options("rollout server", i))
+                                              placement=lambda i: placement.options("rollout server", i),
+                                              timeout=config.server_timeout)
             engines = [server.actor for server in self.pool.servers]
         runners = start_sandbox_runners(config.sandbox_runners, self.runner, SANDBOX_LIMITS,
                                         workers=config.sandbox_workers,
@@ -399,6 +400,8 @@ class RLVRPipeline:
                 ray.get(trainer.close.remote(), timeout=60)
             except Exception:  # noqa: BLE001 - a dead trainer has nothing left to close
                 pass
+        if self.pool is not None:
+            self.pool.close()
         for actor in self._actors:
             ray.kill(actor)
         self._actors, self.trainers = [], []

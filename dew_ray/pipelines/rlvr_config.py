@@ -42,6 +42,10 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     ``<run_dir>/verl_rows/update-<step>.jsonl``, beside ``metrics.jsonl``. eval_points: how
     many times during training the held-out reward is measured besides before and after
     (evenly spaced updates; ``held_out.jsonl`` and the plot), 0 for before and after only.
+    server_timeout: seconds a native rollout server may answer nothing while draws or a weight
+    load wait on it before the pools set it aside (its draws are drawn again on the others;
+    it rejoins once it answers and has loaded the current weights:
+    :class:`~dew_ray.actors.ServerPool`).
     trackers, wandb_project, wandb_mode: experiment trackers that get every ``metrics.jsonl``
     row from the driver (:class:`dew.experiment_trackers.TrackerOptions`): TensorBoard event
     files in ``<run_dir>/tensorboard``, a W&B run in ``<run_dir>/wandb``.
@@ -64,6 +68,7 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     trainer_gpus: float = Field(0.0, ge=0)
     verl_rows: bool = False
     eval_points: int = Field(3, ge=0)
+    server_timeout: float = Field(60.0, gt=0)
 
     @model_validator(mode="after")
     def _roles(self):

@@ -126,7 +126,7 @@ def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
     if setup.engines:
         pool = engine_rollouts(setup, model, version=-1, push=config.engine_push)
     else:
-        pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers])
+        pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers], timeout=config.server_timeout)
     fleet = CountingFleet(RemoteFleet(runners, workers=config.sandbox_workers))
     # The trainer's own bar stays off: the driver shows the run's. (The config is not rebuilt here: its checks,
     # the prompts file's existence among them, hold on the driver's machine, not necessarily on this node.)
