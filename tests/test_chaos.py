@@ -26,3 +26,18 @@ def test_the_sandbox_never_reports_a_killed_program_completed():
     result = chaos.sandbox_chaos(programs=40, seed=3)
     assert result["killed"] > 0 and result["killed_reported_completed"] == [], result
     assert result["verdicts"].get("crashed", 0) >= result["killed"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_tool_episodes_train_under_faults_to_environment_actors_and_tool_processes(cluster):
+    """bench/chaos_episodes.py at a test's size: environment workers killed, tool processes SIGKILLed mid-session,
+    rollout servers stopped (briefly and past the pools' timeout) and killed while GRPO trains through them."""
+    episodes = import_from("bench", "chaos_episodes")
+    result = episodes.episode_chaos(steps=20, seed=2, every=0.7, server_timeout=4,
+                                    first=["SIGKILL tool process", "ray.kill environment worker",
+                                           "SIGSTOP rollout server past its timeout"])
+    failed = {name: verdict["detail"] for name, verdict in result["invariants"].items() if not verdict["ok"]}
+    assert not failed, (failed, result["log"])
+    assert all(result["faults"].get(kind) for kind in ("SIGKILL tool process", "ray.kill environment worker",
+                                                       "SIGSTOP rollout server past its timeout")), result["log"]

@@ -36,14 +36,16 @@ from dew.validation import positive_int
 class EnvironmentWorkerHost:
     """An EnvironmentSource over remote rollout servers; ``EnvironmentWorker`` is this class as a Ray actor.
 
-    ``servers``: (name, RolloutServerActor) pairs; ``environment``, ``verifier`` and
-    ``options`` are EnvironmentSource's (``max_prompt_tokens``, ``max_new_tokens``,
-    ``max_turns``, ``workers``, ``eos_ids``).
+    ``servers``: (name, RolloutServerActor) pairs; ``server_timeout``: the worker's
+    ServerPool's ``timeout`` (a server silent that long is set aside); ``environment``,
+    ``verifier`` and ``options`` are EnvironmentSource's (``max_prompt_tokens``,
+    ``max_new_tokens``, ``max_turns``, ``workers``, ``eos_ids``).
     """
 
-    def __init__(self, servers: Sequence, environment: Callable, verifier: Callable, **options):
-        pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers])
-        self.source = EnvironmentSource(pool, environment, verifier, **options)
+    def __init__(self, servers: Sequence, environment: Callable, verifier: Callable,
+                 server_timeout: float | None = None, **options):
+        self.pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers], timeout=server_timeout)
+        self.source = EnvironmentSource(self.pool, environment, verifier, **options)
         self._sessions: dict[str, Future] = {}
         self._cancelled: set[str] = set()
 
@@ -72,6 +74,7 @@ class EnvironmentWorkerHost:
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.source.close)
+        self.pool.close()
 
 
 EnvironmentWorker = ray.remote(EnvironmentWorkerHost)

@@ -1,0 +1,273 @@
+"""Chaos run of tool episodes: environment actors, their tool processes and the rollout servers under seeded faults.
+
+GRPO trains through a RolloutScheduler on a RemoteEnvironmentSource: ``workers``
+EnvironmentWorker actors run multi-turn sessions of the counting tool
+(bench/counting_worker.py, one SubprocessEnvironment process per session) whose model
+calls go to a ServerPool of ``servers`` RolloutServerActors (the tests' sharp decoder).
+An injector on a thread of this process faults the live actors at seeded moments, one
+at a time:
+
+- ``ray.kill`` of an environment worker (its sessions come back INFRA_ERROR and are run
+  again on the others) or of a rollout server;
+- SIGKILL of a tool process under an environment worker (the session ends in an error
+  observation and is run again);
+- SIGSTOP of a rollout server for 0.5 to 3 s, or for 2.5 to 4 times the pools'
+  ``server_timeout`` (its replies are lost while Ray sees it alive: the pools set it aside
+  and take it back once it answers), then SIGCONT.
+
+Kills leave at least one actor of each role alive. A poller asks every rollout server its
+version throughout. Invariants, from the scheduler's records: every update trained, each
+``tasks_per_step`` groups whole (``samples`` sessions numbered 0..samples-1, none of them
+an error) and none abandoned; no (task, group, sample) trained twice; no server's version
+going down; and each killed tool process's session was run again (resubmissions for
+infrastructure errors at least the tool kills that hit a running session).
+
+    uv run python bench/chaos_episodes.py [--steps 30] [--seed 0] [--every 1.0]
+
+Prints the faults and the invariants; writes bench/results/chaos_episodes.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import ray
+from ray import cloudpickle
+
+from dew import Dataset, Trainer
+from dew.collection.scheduler import RolloutScheduler
+from dew.inference import ServingTask
+from dew.objectives.rl import GRPOObjective
+from dew.records.episodes import EpisodeStatus
+from dew.records.sessions import Status, Task
+from dew.sampling import Sampling
+from dew.sandbox import SandboxLimits, SubprocessEnvironment
+from dew_ray.actors import RemoteEnvironmentSource, start_environment_workers, start_rollout_servers
+from load import sharp_decoder
+from processes import descendants, signal_process
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+WORKER = Path(__file__).resolve().parent / "counting_worker.py"
+WIDTH = 32
+EOS = tuple(range(16))  # half the sharp decoder's ids end a model call, so most calls end before their budget
+
+
+def verifier(task, episode) -> float:
+    """One point per model call of a completed episode, and a point more for an even last sampled id."""
+    if episode.status is not EpisodeStatus.COMPLETED:
+        return 0.0
+    last = episode.transitions[-1].action.tokens
+    return float(len(episode.transitions)) + float(bool(last) and last[-1] % 2 == 0)
+
+
+def pid_of(actor) -> int | None:
+    try:
+        return ray.get(actor.__ray_call__.remote(lambda host: __import__("os").getpid()), timeout=10)
+    except Exception:  # noqa: BLE001 - dead or stopped: nothing to fault
+        return None
+
+
+class EpisodeInjector:
+    """Seeded faults into the run's live actors (see the module docstring)."""
+
+    def __init__(self, seed: int, servers: list, workers: list, server_timeout: float):
+        self.random, self.server_timeout = random.Random(seed), server_timeout
+        self.live = {"rollout server": list(servers), "environment worker": list(workers)}
+        self.pids = {id(actor): pid_of(actor) for actor in self.live["rollout server"] + self.live["environment worker"]}
+        self.faults: Counter = Counter()
+        self.log: list[dict] = []
+        self.versions: dict[int, list[int]] = {}
+        self.stop = threading.Event()
+
+    def poll_versions(self) -> None:
+        while not self.stop.wait(0.3):
+            for index, actor in enumerate(self.live["rollout server"]):
+                try:
+                    self.versions.setdefault(id(actor), []).append(int(ray.get(actor.version.remote(), timeout=2)))
+                except Exception:  # noqa: BLE001 - killed or stopped: nothing to observe this round
+                    continue
+
+    def inject(self, wanted: str | None = None) -> str | None:
+        """One seeded fault (of kind ``wanted`` if given and possible); returns its kind, None if none was made."""
+        kinds = ["SIGKILL tool process", "SIGSTOP rollout server"]
+        for role in self.live:
+            if len(self.live[role]) > 1:
+                kinds.append(f"ray.kill {role}")
+        if len(self.live["rollout server"]) > 1:
+            kinds.append("SIGSTOP rollout server past its timeout")
+        kind = self.random.choice(kinds)
+        if wanted is not None:
+            if wanted not in kinds:
+                return None
+            kind = wanted
+        role = "rollout server" if "rollout server" in kind else "environment worker"
+        actor = self.random.choice(self.live[role])
+        pid = self.pids[id(actor)]
+        if kind.startswith("ray.kill"):
+            ray.kill(actor, no_restart=True)
+            self.live[role].remove(actor)
+        elif kind.startswith("SIGSTOP"):
+            if pid is None or not signal_process(pid, signal.SIGSTOP):
+                return None
+            past = kind.endswith("past its timeout")
+            time.sleep(self.random.uniform(2.5, 4.0) * self.server_timeout if past else self.random.uniform(0.5, 3.0))
+            signal_process(pid, signal.SIGCONT)
+        else:  # the newest tool process under the worker, waited for up to 2 s
+            until = time.monotonic() + 2
+            while pid is not None and not (tools := _tools(pid)) and time.monotonic() < until:
+                time.sleep(0.02)
+            if pid is None or not tools or not signal_process(tools[-1], signal.SIGKILL):
+                return None
+        self.faults[kind] += 1
+        self.log.append({"time": time.time(), "fault": kind})
+        return kind
+
+
+def _tools(worker_pid: int) -> list[int]:
+    """The counting-tool processes under an environment worker (by their command line)."""
+    out = []
+    for pid in descendants(worker_pid):
+        try:
+            if str(WORKER) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def episode_chaos(steps: int, seed: int, every: float, servers: int = 3, workers: int = 3, tasks_per_step: int = 2,
+                  samples: int = 4, server_timeout: float = 5.0, first=()) -> dict:
+    """Train ``steps`` GRPO updates through environment workers under faults; returns faults and invariants.
+
+    ``first``: fault kinds injected before the seeded ones, in order (each once it is possible).
+    """
+    cloudpickle.register_pickle_by_value(sys.modules[verifier.__module__])  # the actors cannot import bench/
+    model, variables = sharp_decoder(64)
+    task = ServingTask(model, variables, Sampling(eos_id=EOS, temperature=1.0, top_k=8))
+    pool = start_rollout_servers(task, servers, slots=4, capacity=64, version=0, num_cpus=0.25,
+                                 timeout=server_timeout)
+    environment = SubprocessEnvironment([sys.executable, str(WORKER)], SandboxLimits(wall_seconds=120)).for_task
+    actors = start_environment_workers(workers, pool, environment, verifier, num_cpus=0.25,
+                                       server_timeout=server_timeout, max_prompt_tokens=WIDTH - 4, max_new_tokens=4,
+                                       max_turns=4, workers=4, eos_ids=EOS)
+    source = RemoteEnvironmentSource(actors)
+    objective = GRPOObjective(model, seq_len=WIDTH - 1, behavior_importance=2.0, pretrained=variables)
+    records = []
+    scheduler = RolloutScheduler(objective, source, pool, width=WIDTH, rows=tasks_per_step * samples,
+                                 tasks=lambda batch: [Task(str(int(i)), {}) for i in batch["task_id"]],
+                                 groups=samples, max_lag=1, ahead=1, truncation="score", max_attempts=6,
+                                 log=records.append)
+    injector = EpisodeInjector(seed, [s.actor for s in pool.servers], actors, server_timeout)
+    rng = random.Random(seed)
+    started = threading.Event()
+
+    scripted = list(first)
+
+    def faults():
+        next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * every
+        while not injector.stop.wait(0.05):
+            if started.is_set() and time.monotonic() >= next_fault:
+                if injector.inject(scripted[0] if scripted else None) and scripted:
+                    scripted.pop(0)
+                next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * every
+
+    threads = [threading.Thread(target=injector.poll_versions, daemon=True), threading.Thread(target=faults,
+                                                                                               daemon=True)]
+    for thread in threads:
+        thread.start()
+
+    data = Dataset(train=lambda partition: ({"task_id": np.arange(tasks_per_step) + tasks_per_step * i}
+                                            for i in itertools.count()))
+    def rollout(batch, variables, version, key):
+        out = scheduler(batch, variables, version, key)
+        started.set()  # faults start once the first update's rollouts are in (compilation spared)
+        return out
+
+    trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(seed), rollout=rollout, progress=False)
+    began = time.perf_counter()
+    try:
+        state = trainer.fit(scheduler.tasks(data), steps=steps)
+        updates = int(state.updates)
+    finally:
+        injector.stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        scheduler.close()
+        pool.close()
+        for actor in injector.live["rollout server"] + injector.live["environment worker"]:
+            ray.kill(actor)
+    invariants = check_records(records, updates, steps, tasks_per_step, samples, injector)
+    return {"steps": steps, "seed": seed, "seconds": time.perf_counter() - began, "faults": dict(injector.faults),
+            "injected": sum(injector.faults.values()), "invariants": invariants, "log": injector.log}
+
+
+def check_records(records, updates: int, steps: int, tasks_per_step: int, samples: int, injector) -> dict:
+    out = {"finished": {"ok": updates == steps, "detail": f"{updates} of {steps} updates"}}
+    trained = [r for r in records if r.sessions]
+    keys, broken, short = [], [], []
+    for index, record in enumerate(trained):
+        groups: dict[tuple, list] = {}
+        for session in record.sessions:
+            groups.setdefault((session.task.id, session.group), []).append(session)
+            keys.append((session.task.id, session.group, session.sample))
+        broken += [(index, group) for group, sessions in groups.items()
+                   if sorted(s.sample for s in sessions) != list(range(samples))
+                   or any(s.status is Status.INFRA_ERROR for s in sessions)]
+        if len(groups) != tasks_per_step or record.abandoned_groups:
+            short.append(index)
+    out["whole groups"] = {"ok": not broken, "detail": f"{len(broken)} broken groups {broken[:3]}"}
+    out["no sample trained twice"] = {"ok": len(keys) == len(set(keys)),
+                                      "detail": f"{len(keys)} sessions, {len(keys) - len(set(keys))} repeated"}
+    out["no group lost"] = {"ok": len(trained) == steps and not short and len(keys) == steps * tasks_per_step * samples,
+                            "detail": f"{len(keys)} of {steps * tasks_per_step * samples} sessions; updates short: {short}"}
+    versions = injector.versions
+    down = [seen for seen in versions.values() if any(b < a for a, b in zip(seen, seen[1:]))]
+    out["versions never go back"] = {"ok": not down and bool(versions),
+                                     "detail": f"{sum(map(len, versions.values()))} polls of {len(versions)} servers"}
+    infra = sum(r.resubmissions.get("infra_error", 0) for r in records)
+    tools = injector.faults["SIGKILL tool process"]
+    out["killed sessions run again"] = {"ok": infra >= tools,
+                                        "detail": f"{tools} tool processes killed, {infra} infrastructure-error "
+                                                  "resubmissions"}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--every", type=float, default=1.0, help="mean seconds between faults")
+    parser.add_argument("--server-timeout", type=float, default=5.0)
+    args = parser.parse_args()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        result = episode_chaos(args.steps, args.seed, args.every, server_timeout=args.server_timeout)
+    finally:
+        ray.shutdown()
+    print(f"\nepisode chaos run: {args.steps} updates, seed {args.seed}, {result['seconds']:.0f} s")
+    print(f"  faults injected {result['injected']}:")
+    for kind, count in sorted(result["faults"].items()):
+        print(f"    {kind:<40} {count}")
+    print("  invariants:")
+    for name, verdict in result["invariants"].items():
+        print(f"    {'ok  ' if verdict['ok'] else 'FAIL'} {name:<28} {verdict['detail']}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "chaos_episodes.json").write_text(json.dumps(result, indent=2))
+    sys.exit(0 if all(v["ok"] for v in result["invariants"].values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
