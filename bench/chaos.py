@@ -92,6 +92,43 @@ class RayHead:
 # ----- the injector -----------------------------------------------------------------------------------------------
 
 
+def pick(rng: random.Random, kinds: list[str], wanted: str | None) -> str | None:
+    """``wanted`` if it is one of ``kinds`` (None if not), else a seeded choice among them."""
+    if wanted is not None:
+        return wanted if wanted in kinds else None
+    return rng.choice(kinds)
+
+
+def stall(rng: random.Random, pid: int | None, past: float | None) -> bool:
+    """SIGSTOP ``pid`` for 0.5 to 3 s, or for 2.5 to 4 times ``past`` seconds when given, then SIGCONT; False if gone."""
+    if pid is None or not signal_process(pid, signal.SIGSTOP):
+        return False
+    time.sleep(rng.uniform(2.5, 4.0) * past if past is not None else rng.uniform(0.5, 3.0))
+    signal_process(pid, signal.SIGCONT)
+    return True
+
+
+def kill_newest_under(pid: int | None, within: float, naming: str = "") -> bool:
+    """SIGKILL the newest descendant of ``pid`` whose command line holds ``naming``, waited for up to ``within`` s."""
+    until = time.monotonic() + within
+    while pid is not None:
+        found = [child for child in descendants(pid) if naming in _command_line(child)]
+        if found:
+            return signal_process(found[-1], signal.SIGKILL)
+        if time.monotonic() >= until:
+            break
+        time.sleep(0.02)
+    return False
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+
 class Injector:
     """Seeded faults into the actors of the run whose actor names start with ``prefix`` (see the module docstring)."""
 
@@ -160,13 +197,9 @@ class Injector:
                 kinds.append(f"ray.kill {label}")
                 if role == "rollout-server":  # a stall past the timeout takes a server out for a while, as a kill
                     kinds += ["SIGKILL rollout server process", "SIGSTOP rollout server past its timeout"]
-        kind = self.random.choice(kinds)
-        if wanted is not None:
-            if wanted not in kinds:
-                return None
-            kind = wanted
-        role = "rollout-server" if "rollout server" in kind else "sandbox-runner"
-        if not actors[role]:
+        kind = pick(self.random, kinds, wanted)
+        role = "rollout-server" if kind and "rollout server" in kind else "sandbox-runner"
+        if kind is None or not actors[role]:
             return None
         name, namespace = self.random.choice(sorted(actors[role]))
         incarnation = name.rsplit("/", 1)[0]
@@ -179,19 +212,11 @@ class Injector:
                 return None
             self._killed[(incarnation, role)] += 1
         elif kind.startswith("SIGSTOP rollout server"):
-            pid = self._pid(name, namespace)
-            if pid is None or not signal_process(pid, signal.SIGSTOP):
+            past = self.server_timeout if kind.endswith("past its timeout") else None
+            if not stall(self.random, self._pid(name, namespace), past):
                 return None
-            past = kind.endswith("past its timeout")
-            time.sleep(self.random.uniform(2.5, 4.0) * self.server_timeout if past else self.random.uniform(0.5, 3.0))
-            signal_process(pid, signal.SIGCONT)
-        else:  # the newest process under the runner: a program (or its sandbox), waited for up to 3 s
-            pid = self._pid(name, namespace)
-            until = time.monotonic() + 3
-            while pid is not None and not (programs := descendants(pid)) and time.monotonic() < until:
-                time.sleep(0.02)
-            if pid is None or not programs or not signal_process(programs[-1], signal.SIGKILL):
-                return None
+        elif not kill_newest_under(self._pid(name, namespace), within=3):  # a program (or its sandbox) of the runner
+            return None
         self.faults[kind] += 1
         self.log.append({"time": time.time(), "fault": kind, "actor": name})
         return kind

@@ -33,7 +33,6 @@ import argparse
 import itertools
 import json
 import random
-import signal
 import sys
 import threading
 import time
@@ -55,8 +54,8 @@ from dew.records.sessions import Status, Task
 from dew.sampling import Sampling
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 from dew_ray.actors import RemoteEnvironmentSource, start_environment_workers, start_rollout_servers
+from chaos import kill_newest_under, pick, stall
 from load import sharp_decoder
-from processes import descendants, signal_process
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -108,11 +107,9 @@ class EpisodeInjector:
                 kinds.append(f"ray.kill {role}")
         if len(self.live["rollout server"]) > 1:
             kinds.append("SIGSTOP rollout server past its timeout")
-        kind = self.random.choice(kinds)
-        if wanted is not None:
-            if wanted not in kinds:
-                return None
-            kind = wanted
+        kind = pick(self.random, kinds, wanted)
+        if kind is None:
+            return None
         role = "rollout server" if "rollout server" in kind else "environment worker"
         actor = self.random.choice(self.live[role])
         pid = self.pids[id(actor)]
@@ -120,32 +117,13 @@ class EpisodeInjector:
             ray.kill(actor, no_restart=True)
             self.live[role].remove(actor)
         elif kind.startswith("SIGSTOP"):
-            if pid is None or not signal_process(pid, signal.SIGSTOP):
+            if not stall(self.random, pid, self.server_timeout if kind.endswith("past its timeout") else None):
                 return None
-            past = kind.endswith("past its timeout")
-            time.sleep(self.random.uniform(2.5, 4.0) * self.server_timeout if past else self.random.uniform(0.5, 3.0))
-            signal_process(pid, signal.SIGCONT)
-        else:  # the newest tool process under the worker, waited for up to 2 s
-            until = time.monotonic() + 2
-            while pid is not None and not (tools := _tools(pid)) and time.monotonic() < until:
-                time.sleep(0.02)
-            if pid is None or not tools or not signal_process(tools[-1], signal.SIGKILL):
-                return None
+        elif not kill_newest_under(pid, within=2, naming=str(WORKER)):  # a tool process of the worker
+            return None
         self.faults[kind] += 1
         self.log.append({"time": time.time(), "fault": kind})
         return kind
-
-
-def _tools(worker_pid: int) -> list[int]:
-    """The counting-tool processes under an environment worker (by their command line)."""
-    out = []
-    for pid in descendants(worker_pid):
-        try:
-            if str(WORKER) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                out.append(pid)
-        except OSError:
-            continue
-    return out
 
 
 def episode_chaos(steps: int, seed: int, every: float, servers: int = 3, workers: int = 3, tasks_per_step: int = 2,

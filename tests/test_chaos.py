@@ -1,7 +1,8 @@
 """The RLVR pipeline under seeded faults (bench/chaos.py at a test's size): actors killed with ray.kill and SIGKILL,
 a rollout server stalled with SIGSTOP (briefly, and once past the pools' server_timeout, so its replies are lost while
 it lives), sandbox programs killed, and the driver SIGKILLed once and run again. The run must finish, and every
-invariant read back from its run directory must hold."""
+invariant read back from its run directory must hold. Then tool episodes (bench/chaos_episodes.py) with their
+environment workers and tool processes killed."""
 
 import pytest
 from conftest import import_from
