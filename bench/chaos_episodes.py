@@ -236,7 +236,8 @@ def main() -> None:
     finally:
         ray.shutdown()
     print(f"\nepisode chaos run: {args.steps} updates, seed {args.seed}, {result['seconds']:.0f} s")
-    print(f"  faults injected {result['injected']}:")
+    survived = result["injected"] if result["invariants"]["finished"]["ok"] else 0
+    print(f"  faults injected {result['injected']}, survived {survived}:")
     for kind, count in sorted(result["faults"].items()):
         print(f"    {kind:<40} {count}")
     print("  invariants:")

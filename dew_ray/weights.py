@@ -101,8 +101,8 @@ class WeightBroadcast(WeightPublisher):
             members = [(i, name, actor) for i, (name, actor) in enumerate(zip(self.names, self.actors))
                        if name not in self.aside]
         pending = [(index, name, actor.load.remote(tree, version)) for index, name, actor in members]
-        answered, _ = ray.wait([ref for _, _, ref in pending], num_returns=len(pending), timeout=self.timeout)
-        answered = set(answered)
+        answered = set(ray.wait([ref for _, _, ref in pending], num_returns=len(pending), timeout=self.timeout)[0]
+                       if pending else [])
         failures, dead, loaded = [], [], []
         for index, name, ref in pending:
             if ref not in answered:
