@@ -397,6 +397,17 @@ def sandbox_chaos(programs: int, seed: int, workers: int = 2) -> dict:
             "killed_reported_completed": completed_killed, "ok": bool(killed) and not completed_killed}
 
 
+def print_faults_and_invariants(result: dict) -> None:
+    """The faults injected, and survived if the run finished, and each invariant's verdict."""
+    survived = result["injected"] if result["invariants"]["finished"]["ok"] else 0
+    print(f"  faults injected {result['injected']}, survived {survived}:")
+    for kind, count in sorted(result["faults"].items()):
+        print(f"    {kind:<40} {count}")
+    print("  invariants:")
+    for name, verdict in result["invariants"].items():
+        print(f"    {'ok  ' if verdict['ok'] else 'FAIL'} {name:<30} {verdict['detail']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -415,12 +426,7 @@ def main() -> None:
     result["seconds"] = time.perf_counter() - began
     print(f"\nchaos run {run_dir}: {args.steps} updates, seed {args.seed}, {result['driver_runs']} driver runs, "
           f"{result['seconds']:.0f} s")
-    print(f"  faults injected {result['injected']}, survived {result['survived']}:")
-    for kind, count in sorted(result["faults"].items()):
-        print(f"    {kind:<32} {count}")
-    print("  invariants:")
-    for name, verdict in result["invariants"].items():
-        print(f"    {'ok  ' if verdict['ok'] else 'FAIL'} {name:<30} {verdict['detail']}")
+    print_faults_and_invariants(result)
     sandbox = result["sandbox"]
     print(f"    {'ok  ' if sandbox['ok'] else 'FAIL'} {'killed programs not COMPLETED':<30} {sandbox['killed']} of "
           f"{sandbox['programs']} programs killed, verdicts {sandbox['verdicts']}, reported completed "

@@ -54,7 +54,7 @@ from dew.records.sessions import Status, Task
 from dew.sampling import Sampling
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 from dew_ray.actors import RemoteEnvironmentSource, start_environment_workers, start_rollout_servers
-from chaos import kill_newest_under, pick, stall
+from chaos import kill_newest_under, pick, print_faults_and_invariants, stall
 from load import sharp_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,13 +236,7 @@ def main() -> None:
     finally:
         ray.shutdown()
     print(f"\nepisode chaos run: {args.steps} updates, seed {args.seed}, {result['seconds']:.0f} s")
-    survived = result["injected"] if result["invariants"]["finished"]["ok"] else 0
-    print(f"  faults injected {result['injected']}, survived {survived}:")
-    for kind, count in sorted(result["faults"].items()):
-        print(f"    {kind:<40} {count}")
-    print("  invariants:")
-    for name, verdict in result["invariants"].items():
-        print(f"    {'ok  ' if verdict['ok'] else 'FAIL'} {name:<28} {verdict['detail']}")
+    print_faults_and_invariants(result)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "chaos_episodes.json").write_text(json.dumps(result, indent=2))
     sys.exit(0 if all(v["ok"] for v in result["invariants"].values()) else 1)
