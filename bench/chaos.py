@@ -92,6 +92,14 @@ class RayHead:
 # ----- the injector -----------------------------------------------------------------------------------------------
 
 
+def actor_pid(handle) -> int | None:
+    """The process id of a live actor; None when it died or does not answer within 10 s."""
+    try:
+        return ray.get(handle.__ray_call__.remote(lambda host: os.getpid()), timeout=10)
+    except Exception:  # noqa: BLE001 - an actor that died or stalls has no pid to fault
+        return None
+
+
 def pick(rng: random.Random, kinds: list[str], wanted: str | None) -> str | None:
     """``wanted`` if it is one of ``kinds`` (None if not), else a seeded choice among them."""
     if wanted is not None:
@@ -168,9 +176,12 @@ class Injector:
         if name not in self._pids:
             try:
                 handle = self._handle(name, namespace)
-                self._pids[name] = ray.get(handle.__ray_call__.remote(lambda host: os.getpid()), timeout=10)
-            except Exception:  # noqa: BLE001 - an actor that died or stalls has no pid to fault
+            except Exception:  # noqa: BLE001 - an actor that died has no pid to fault
                 return None
+            pid = actor_pid(handle)
+            if pid is None:
+                return None
+            self._pids[name] = pid
         return self._pids[name]
 
     def _poll_versions(self) -> None:

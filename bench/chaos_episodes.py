@@ -54,7 +54,7 @@ from dew.records.sessions import Status, Task
 from dew.sampling import Sampling
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 from dew_ray.actors import RemoteEnvironmentSource, start_environment_workers, start_rollout_servers
-from chaos import kill_newest_under, pick, print_faults_and_invariants, stall
+from chaos import actor_pid, kill_newest_under, pick, print_faults_and_invariants, stall
 from load import sharp_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,20 +72,13 @@ def verifier(task, episode) -> float:
     return float(len(episode.transitions)) + float(bool(last) and last[-1] % 2 == 0)
 
 
-def pid_of(actor) -> int | None:
-    try:
-        return ray.get(actor.__ray_call__.remote(lambda host: __import__("os").getpid()), timeout=10)
-    except Exception:  # noqa: BLE001 - dead or stopped: nothing to fault
-        return None
-
-
 class EpisodeInjector:
     """Seeded faults into the run's live actors (see the module docstring)."""
 
     def __init__(self, seed: int, servers: list, workers: list, server_timeout: float):
         self.random, self.server_timeout = random.Random(seed), server_timeout
         self.live = {"rollout server": list(servers), "environment worker": list(workers)}
-        self.pids = {id(actor): pid_of(actor) for actor in self.live["rollout server"] + self.live["environment worker"]}
+        self.pids = {id(actor): actor_pid(actor) for actor in self.live["rollout server"] + self.live["environment worker"]}
         self.faults: Counter = Counter()
         self.log: list[dict] = []
         self.versions: dict[int, list[int]] = {}
@@ -93,7 +86,7 @@ class EpisodeInjector:
 
     def poll_versions(self) -> None:
         while not self.stop.wait(0.3):
-            for index, actor in enumerate(self.live["rollout server"]):
+            for actor in self.live["rollout server"]:
                 try:
                     self.versions.setdefault(id(actor), []).append(int(ray.get(actor.version.remote(), timeout=2)))
                 except Exception:  # noqa: BLE001 - killed or stopped: nothing to observe this round

@@ -90,8 +90,8 @@ class WeightBroadcast(WeightPublisher):
             self.aside.discard(name)
         return True
 
-    def load(self, variables, version: int) -> list[str]:
-        """Put ``variables`` once and load it into every actor not set aside; returns the names that loaded it.
+    def load(self, variables, version: int) -> None:
+        """Put ``variables`` once and load it into every actor not set aside.
 
         Raises naming the first actor that failed (see the module docstring for the dead and the silent).
         """
@@ -103,7 +103,7 @@ class WeightBroadcast(WeightPublisher):
         pending = [(index, name, actor.load.remote(tree, version)) for index, name, actor in members]
         answered = set(ray.wait([ref for _, _, ref in pending], num_returns=len(pending), timeout=self.timeout)[0]
                        if pending else [])
-        failures, dead, loaded = [], [], []
+        failures, dead = [], []
         for index, name, ref in pending:
             if ref not in answered:
                 silent = TimeoutError(f"it did not answer within {self.timeout:g} s")
@@ -122,8 +122,6 @@ class WeightBroadcast(WeightPublisher):
                 continue
             if served != version:
                 failures.append((index, name, RuntimeError(f"it serves version {served} after the load")))
-            else:
-                loaded.append(name)
         with self._lock:
             for index, name, _ in reversed(dead):
                 del self.actors[index], self.names[index]
@@ -141,4 +139,3 @@ class WeightBroadcast(WeightPublisher):
                 f"the broadcast stays at version {self._version}"
             ) from error
         self._version, self._newest = version, tree
-        return loaded

@@ -290,7 +290,8 @@ class ServerPool(RolloutServer):
     def _settled(self, index: int, done: DrawFuture) -> None:
         with self._lock:
             self._owner.pop(done.request, None)
-        if done.exception() is not None:
+            known = index in self._dead or index in self._aside  # its failed draws need no check each
+        if done.exception() is not None and not known:
             self._checks.submit(self._check, index)
 
     def _check(self, index: int) -> None:
