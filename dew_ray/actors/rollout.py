@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from dew.inference import (
     Draw,
@@ -131,6 +131,9 @@ class RemoteRolloutServer(RolloutServer):
         self._lock = threading.Lock()
         self._pending: dict[str, tuple[DrawFuture, float]] = {}  # unanswered draws and when each was sent
         self._answered = time.monotonic()
+        # Set when Ray reports the actor dead, before the failed draw's future is: a caller that draws again at once
+        # must not land on it (a dead server fails draws at once, so it is always the least busy)
+        self.died = False
 
     @property
     def version(self) -> int:
@@ -159,6 +162,7 @@ class RemoteRolloutServer(RolloutServer):
         if error is None:
             future.set_result(done.result())
         elif isinstance(error, RayActorError):
+            self.died = self.died or isinstance(error, ActorDiedError)  # unavailable for now is not dead
             future.set_exception(ServerDied(f"{self.name} died during a draw: {error}"))
         else:
             future.set_exception(error)
@@ -185,6 +189,7 @@ class RemoteRolloutServer(RolloutServer):
         try:
             served = ray.get(self.actor.version.remote(), timeout=timeout)
         except RayActorError as error:
+            self.died = self.died or isinstance(error, ActorDiedError)
             raise ServerDied(f"{self.name} has died: {error}") from error
         except GetTimeoutError:
             return None
@@ -263,6 +268,7 @@ class ServerPool(RolloutServer):
     def live(self) -> list[int]:
         """The servers that take draws: not dead, not set aside."""
         with self._lock:
+            self._dead.update(i for i, server in enumerate(self.servers) if server.died)
             out = self._dead | self._aside
             return [i for i in range(len(self.servers)) if i not in out]
 
@@ -290,7 +296,7 @@ class ServerPool(RolloutServer):
     def _settled(self, index: int, done: DrawFuture) -> None:
         with self._lock:
             self._owner.pop(done.request, None)
-            known = index in self._dead or index in self._aside  # its failed draws need no check each
+            known = index in self._dead or index in self._aside or self.servers[index].died  # no check each
         if done.exception() is not None and not known:
             self._checks.submit(self._check, index)
 
