@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import secrets
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -74,7 +76,12 @@ class TensorBoard:
         logdir = Path(self.logdir) if self.logdir is not None else Path(directory) / "tensorboard"
         logdir.mkdir(parents=True, exist_ok=True)
         # purge_step hides the events of steps after the checkpoint this run resumed from: they are trained again
-        writer = SummaryWriter(str(logdir), purge_step=start_step + 1 if start_step > 0 else None, flush_secs=10)
+        # tensorboardX names the file by the second and host alone and opens it for writing from scratch: a run
+        # resumed within the same second would erase the last one's events. The suffix keeps each file apart and,
+        # being the time in nanoseconds at a fixed width, keeps the name order (TensorBoard's reading order) the
+        # order the runs wrote in.
+        writer = SummaryWriter(str(logdir), purge_step=start_step + 1 if start_step > 0 else None, flush_secs=10,
+                               filename_suffix=f".{time.time_ns():020d}.{os.getpid()}")
         return _TensorBoardWriter(writer)
 
 

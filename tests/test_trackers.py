@@ -2,11 +2,13 @@
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 import optax
 import pytest
+from tensorboardX import event_file_writer
 
 from dew import Trainer
 from dew.experiment_trackers import MetricWriters, TensorBoard, WandB, scalars, trackers_of
@@ -34,7 +36,11 @@ def test_fit_writes_tensorboard_events_and_a_wandb_history_beside_metrics_jsonl(
     assert (tmp_path / "wandb-run-id").read_text() in run_file.name
 
 
-def test_a_resumed_fit_purges_the_tensorboard_points_it_trains_again(tiny_model, tmp_path):
+def test_a_resumed_fit_purges_the_tensorboard_points_it_trains_again(tiny_model, tmp_path, monkeypatch):
+    # both runs open their event file within one second, as a quick resume does: tensorboardX's own file name
+    # (the second and the host) is then the same for both
+    monkeypatch.setattr(event_file_writer, "time", SimpleNamespace(time=lambda: 1_800_000_000.25))
+
     def fit(steps, **options):
         trainer = Trainer(objective(tiny_model), optax.adam(1e-2), key=jax.random.key(0), output_dir=tmp_path,
                           trackers=["tensorboard"], progress=False, **options)
@@ -45,6 +51,7 @@ def test_a_resumed_fit_purges_the_tensorboard_points_it_trains_again(tiny_model,
     fit(5)
     steps = [step for step, _ in tensorboard_scalars(tmp_path / "tensorboard")["train/loss"]]
     assert steps == [1, 2, 3, 4, 5]
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.1800000000.*"))) == 2
 
 
 def test_scalars_keep_numbers_and_flatten_mappings():
