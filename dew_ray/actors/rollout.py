@@ -131,8 +131,9 @@ class RemoteRolloutServer(RolloutServer):
         self._lock = threading.Lock()
         self._pending: dict[str, tuple[DrawFuture, float]] = {}  # unanswered draws and when each was sent
         self._answered = time.monotonic()
-        # Set when Ray reports the actor dead, before the failed draw's future is: a caller that draws again at once
-        # must not land on it (a dead server fails draws at once, so it is always the least busy)
+        # Set when Ray reports the actor dead (before the failed draw's future is: a caller that draws again at once
+        # must not land on it, and a dead server, failing draws at once, is always the least busy), or when its pool
+        # finds it dead; a pool reads its dead servers from here
         self.died = False
 
     @property
@@ -162,7 +163,8 @@ class RemoteRolloutServer(RolloutServer):
         if error is None:
             future.set_result(done.result())
         elif isinstance(error, RayActorError):
-            self.died = self.died or isinstance(error, ActorDiedError)  # unavailable for now is not dead
+            if isinstance(error, ActorDiedError):  # unavailable for now is not dead
+                self.died = True
             future.set_exception(ServerDied(f"{self.name} died during a draw: {error}"))
         else:
             future.set_exception(error)
@@ -189,7 +191,8 @@ class RemoteRolloutServer(RolloutServer):
         try:
             served = ray.get(self.actor.version.remote(), timeout=timeout)
         except RayActorError as error:
-            self.died = self.died or isinstance(error, ActorDiedError)
+            if isinstance(error, ActorDiedError):
+                self.died = True
             raise ServerDied(f"{self.name} has died: {error}") from error
         except GetTimeoutError:
             return None
@@ -250,7 +253,6 @@ class ServerPool(RolloutServer):
                                          **({} if timeout is None else {"timeout": timeout}))
         for server in self.servers:
             server.publisher = self.publisher
-        self._dead: set[int] = set()
         self._aside: set[int] = set()  # silent: no draws, no loads, probed until it answers and catches up
         self._probing: set[int] = set()
         self._owner: dict[str, int] = {}
@@ -265,17 +267,19 @@ class ServerPool(RolloutServer):
     def version(self) -> int:
         return self.publisher.version
 
+    def dead(self) -> list[int]:
+        """The servers found dead."""
+        return [i for i, server in enumerate(self.servers) if server.died]
+
     def live(self) -> list[int]:
         """The servers that take draws: not dead, not set aside."""
         with self._lock:
-            self._dead.update(i for i, server in enumerate(self.servers) if server.died)
-            out = self._dead | self._aside
-            return [i for i in range(len(self.servers)) if i not in out]
+            return [i for i, server in enumerate(self.servers) if not server.died and i not in self._aside]
 
     def aside(self) -> list[int]:
         """The servers set aside for not answering."""
         with self._lock:
-            return sorted(self._aside - self._dead)
+            return sorted(i for i in self._aside if not self.servers[i].died)
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
         live = self.live()
@@ -285,7 +289,7 @@ class ServerPool(RolloutServer):
                 time.sleep(0.05)
         if not live:
             raise RuntimeError(f"no rollout server of the pool takes draws: of {len(self.servers)} started, "
-                               f"{len(self._dead)} died and {len(self.aside())} stopped answering")
+                               f"{len(self.dead())} died and {len(self.aside())} stopped answering")
         index = min(live, key=lambda i: self.servers[i].in_flight)
         future = self.servers[index].submit(prompt_ids, max_new_tokens, seed)
         with self._lock:
@@ -296,21 +300,20 @@ class ServerPool(RolloutServer):
     def _settled(self, index: int, done: DrawFuture) -> None:
         with self._lock:
             self._owner.pop(done.request, None)
-            known = index in self._dead or index in self._aside or self.servers[index].died  # no check each
+            known = self.servers[index].died or index in self._aside  # its failed draws need no check each
         if done.exception() is not None and not known:
             self._checks.submit(self._check, index)
 
     def _check(self, index: int) -> None:
         if not self.servers[index].alive():
-            with self._lock:
-                self._dead.add(index)
+            self.servers[index].died = True
 
     def _watch(self) -> None:
         """Probe each server that has draws waiting and has said nothing for ``timeout`` seconds."""
         while not self._closed.wait(min(1.0, self.timeout / 4)):
             for index, server in enumerate(self.servers):
                 with self._lock:
-                    if index in self._dead | self._aside | self._probing:
+                    if server.died or index in self._aside | self._probing:
                         continue
                 if server.silent_for() >= self.timeout:
                     self._probe_soon(index)
@@ -330,8 +333,7 @@ class ServerPool(RolloutServer):
                 try:
                     served = server.probe(self.timeout)
                 except ServerDied as error:
-                    with self._lock:
-                        self._dead.add(index)
+                    server.died = True
                     server.fail_pending(error)
                     return
                 with self._lock:
@@ -374,7 +376,7 @@ class ServerPool(RolloutServer):
             with self._lock:
                 for i, server in enumerate(self.servers):
                     if server.name in dropped:
-                        self._dead.add(i)
+                        server.died = True
                     elif server.name in aside and i not in self._aside:
                         newly.append(i)
             for i in newly:
