@@ -61,7 +61,7 @@ import ray
 
 from dew.inference.engines import free_port
 from dew.models.pretrained import Pretrained
-from dew.objectives.rl.verl import from_verl
+from dew.records.verl_rows import from_verl
 from dew.sandbox import ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict
 from processes import descendants, signal_process, stop_ray_head
 

@@ -48,9 +48,9 @@ from ray import cloudpickle
 from dew import Dataset, Trainer
 from dew.collection.scheduler import RolloutScheduler
 from dew.inference import ServingTask
-from dew.objectives.rl import GRPOObjective
-from dew.records.episodes import EpisodeStatus
-from dew.records.sessions import Status, Task
+from dew.objectives.grpo import GRPOObjective
+from dew.records.episode_protocol import EpisodeStatus
+from dew.records.session_records import Status, Task
 from dew.sampling import Sampling
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 from dew_ray.actors import RemoteEnvironmentSource, start_environment_workers, start_rollout_servers

@@ -1,4 +1,4 @@
-"""The counting tool of the episode chaos run: a SubprocessEnvironment worker (dew.sandbox.environment's protocol).
+"""The counting tool of the episode chaos run: a SubprocessEnvironment worker (dew.sandbox.subprocess_environment's protocol).
 
 Reset: the context is two ids chosen by the task, [20 + task % 5, 21]. Each step appends the
 model's tokens and the tool's reply id (22 + the step's number); the episode completes after

@@ -45,7 +45,7 @@ def worker(kind: str, steps: int) -> None:
     from dew import Trainer, models
     from dew.data import Loading, Partition, PreferencePairs
     from dew.objectives import LMObjective
-    from dew.objectives.rl import DPOObjective
+    from dew.objectives.dpo import DPOObjective
 
     rng = np.random.default_rng(0)
     rows = []

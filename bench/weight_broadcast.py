@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from dew_ray.weights import WeightBroadcast
+from dew_ray.weight_broadcast import WeightBroadcast
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"10 MB": 10 << 20, "100 MB": 100 << 20, "1 GB": 1 << 30}

@@ -26,7 +26,8 @@ import optax
 
 from dew import Field, InputSpec, Trainer, models, presets
 from dew.data import Dataset
-from dew.objectives.rl import FlowGRPOObjective, FlowRollout
+from dew.collection.flow_rollout import FlowRollout
+from dew.objectives.flow_grpo import FlowGRPOObjective
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the file backend)

@@ -17,7 +17,9 @@ from test_tool_episodes import SAMPLING, Harness, ToolPolicy, tasks, verify
 
 from dew import Trainer
 from dew.data import Dataset
-from dew.objectives.rl import EpisodeRollout, PPOObjective, PPORollout, ValueHead
+from dew.collection.episode_rollout import EpisodeRollout
+from dew.collection.ppo_rollout import PPORollout
+from dew.objectives.ppo import PPOObjective, ValueHead
 
 objective = PPOObjective(ToolPolicy(), seq_len=10, critic=ValueHead(TokenFeatures()), beta=0.03)
 trainer = Trainer(objective, optax.adam(5e-3), key=jax.random.key(0), progress=False)

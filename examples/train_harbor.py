@@ -36,9 +36,12 @@ from dew.data import Dataset
 from dew.inference import Publication, SafetensorsReload
 from dew.inference.wire import EngineError
 from dew.models.pretrained import Pretrained
-from dew.objectives.rl import GRPOObjective, RolloutScheduler
-from dew.objectives.rl.harbor import Gateway, GatewayError, HarborCLI, HarborSource, SessionProxy
-from dew.records.sessions import Task
+from dew.collection.scheduler import RolloutScheduler
+from dew.objectives.grpo import GRPOObjective
+from dew.collection.harbor_source import HarborCLI, HarborSource
+from dew.inference.gateway import Gateway, GatewayError
+from dew.inference.session_proxy import SessionProxy
+from dew.records.session_records import Task
 from dew.trainer import Trainer
 
 

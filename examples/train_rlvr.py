@@ -48,14 +48,14 @@ from dew.data import Loading
 from dew.data.verifiable import VerifiableTask, shared_prompts, task_rows, task_tokenizer
 from dew.inference import NativeRolloutServer, Server
 from dew.recipes import rlvr
-from dew.recipes.rewards import verifiable_reward
+from dew.recipes.reward_routing import verifiable_reward
 from dew.sampling import Sampling
-from dew.recipes.rlvr import RUNNERS, SANDBOX_LIMITS, built_in_tasks, decoder, grpo_job, measure_reward, sandbox_runner
+from dew.recipes.rlvr_recipe import RUNNERS, SANDBOX_LIMITS, built_in_tasks, decoder, grpo_job, measure_reward, sandbox_runner
 from dew.sandbox import SandboxFleet
 
 
 class RLVRConfig(rlvr.RLVRConfig):
-    """The built-in run's options (:class:`dew.recipes.rlvr.RLVRConfig`) and where this run writes.
+    """The built-in run's options (:class:`dew.recipes.rlvr_recipe.RLVRConfig`) and where this run writes.
 
     output_dir: where metrics, checkpoints and result.json go (None: nowhere).
     """

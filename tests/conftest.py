@@ -169,12 +169,12 @@ def cluster():
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
-    """(Pretrained, variables, directory): dew.models.presets.TINY_QWEN3, exported in float32 by Pretrained.save."""
+    """(Pretrained, variables, directory): dew.models.named_shapes.TINY_QWEN3, exported in float32 by Pretrained.save."""
     import jax
     import jax.numpy as jnp
 
     from dew.models.pretrained import Pretrained
-    from dew.models.presets import tiny_qwen3
+    from dew.models.named_shapes import tiny_qwen3
 
     model = tiny_qwen3()
     variables = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
@@ -191,7 +191,7 @@ def vllm_engine(tiny_qwen3, tmp_path_factory):
     The engine environment is built if it is missing (`.ci/run` builds it first); a failed build or start
     fails the tests that need it."""
     from dew.inference.engines import VLLMEngine, build_engine_env, engine_python
-    from dew.inference.reload import SafetensorsReload
+    from dew.inference.safetensors_reload import SafetensorsReload
 
     pretrained, variables, _ = tiny_qwen3
     python = engine_python("vllm") or build_engine_env("vllm")

@@ -1,4 +1,4 @@
-"""The stage chain (dew.recipes.chain): SFT -> DPO -> GRPO on tiny data, each stage from the last one's policy."""
+"""The stage chain (dew.recipes.stage_chain): SFT -> DPO -> GRPO on tiny data, each stage from the last one's policy."""
 
 import json
 
@@ -9,7 +9,7 @@ import pytest
 
 from dew.data import ChatMessages, Loading, PreferencePairs, Prompts
 from dew.data.stories import story_decoder, story_tokenizer
-from dew.recipes.chain import Recipe, Stage
+from dew.recipes.stage_chain import Recipe, Stage
 
 SERIAL = Loading(workers=0, threads=1, shuffle=False)
 

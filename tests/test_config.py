@@ -3,7 +3,7 @@
 import pytest
 
 from dew.config import ConfigError, load_config
-from dew.recipes.rlvr import RLVRConfig
+from dew.recipes.rlvr_recipe import RLVRConfig
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from dew import Trainer, models
 from dew.data import Loading, Partition, PreferencePairs
-from dew.objectives.rl import DPOObjective
+from dew.objectives.dpo import DPOObjective
 from dew.losses import dpo_loss, sequence_log_probs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dew.records.episode_sessions import ActionRecord, EpisodeRecord, session_of
-from dew.records.episodes import Action, Episode, EpisodeId, EpisodeStatus, Observation, Transition
-from dew.records.packing import pack, strict_chains
+from dew.records.episode_records import ActionRecord, EpisodeRecord, session_of
+from dew.records.episode_protocol import Action, Episode, EpisodeId, EpisodeStatus, Observation, Transition
+from dew.records.session_packing import pack, strict_chains
 
 IDS = st.integers(0, 50)
 LOG_PROB = st.floats(-10.0, 0.0, allow_nan=False, width=32)

@@ -20,9 +20,9 @@ import pytest
 from conftest import ROOT
 from test_tool_episodes import EOS, NUM, SAMPLING, SQUARE, Harness, Scripted, square_then_answer, tasks, verify
 
-from dew.collection.episodes import EpisodeFailure
+from dew.collection.episode_rollout import EpisodeFailure
 from dew.collection.journal import EpisodeJournal, JournalError
-from dew.objectives.rl import EpisodeRollout
+from dew.collection.episode_rollout import EpisodeRollout
 
 
 def rollout(harness, journal, policy=None, **options):

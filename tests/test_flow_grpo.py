@@ -19,9 +19,11 @@ from conftest import ROOT, finish_workers, launch_workers
 from dew import Dataset, Field, InputSpec, Trainer, models, presets
 from dew.flow import PatchAutoencoder
 from dew.losses.advantages import population_group_advantages
-from dew.losses.flow import gaussian_log_density, sde_noise, sde_transition, transition_kl
+from dew.losses.flow_sde import gaussian_log_density, sde_noise, sde_transition, transition_kl
 from dew.objectives import DiffusionObjective
-from dew.objectives.rl import FlowGRPOObjective, FlowRollout, FlowTrajectory, sample_trajectory
+from dew.collection.flow_rollout import FlowRollout
+from dew.flow.trajectory import FlowTrajectory, sample_trajectory
+from dew.objectives.flow_grpo import FlowGRPOObjective
 
 IMAGE = Field("image", (4, 4, 1))
 

@@ -21,7 +21,7 @@ from dew.config import ConfigError, load_config
 from dew.data.chat import ChatMessages
 from dew.data.dataset import Partition
 from dew.data.loading import RecordError
-from dew.data.preference import PreferencePairs
+from dew.data.preference_pairs import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.data.stories import story_tokenizer
 from dew_ray.pipelines.chain import ChainConfig

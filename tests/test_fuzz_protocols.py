@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from test_fuzz_inputs import FUZZ, json_values
 
 from dew.inference import OpenAIFront
-from dew.records.episodes import Action, EpisodeId, EpisodeStatus, Observation
+from dew.records.episode_protocol import Action, EpisodeId, EpisodeStatus, Observation
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 
 WORKER = str(Path(__file__).resolve().parent / "workers" / "reply_worker.py")

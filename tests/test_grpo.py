@@ -10,8 +10,9 @@ import pytest
 
 from dew import Dataset, Trainer
 from dew.data.prompts import utf8_column
-from dew.objectives.rl import GRPOObjective, SampledRollout
-from dew.collection.rollout import token_text
+from dew.collection.sampled_rollout import SampledRollout
+from dew.objectives.grpo import GRPOObjective
+from dew.collection.sampled_rollout import token_text
 from dew.sampling import Sampling
 
 

@@ -160,7 +160,7 @@ def test_the_real_cpu_vllm_has_no_nccl_and_the_push_says_so(vllm_engine, tiny_qw
 
 
 def test_the_pipeline_publishes_by_nccl_only_with_gpus_on_both_sides(tiny_qwen3, library):
-    from dew_ray.actors.engine import vllm_rollouts
+    from dew_ray.actors.vllm_engine_actor import vllm_rollouts
     from dew_ray.pipelines.rlvr_config import load_config
     from dew_ray.pipelines.rlvr_job import engine_args
 

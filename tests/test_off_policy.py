@@ -17,8 +17,8 @@ import pytest
 from test_rollout_scheduler import FakeWeights, ids_batch, make
 
 from dew.losses.policy import lag_shares, token_tis_weights
-from dew.objectives.rl import GRPOObjective
-from dew.objectives.rl.sessions import Call, Session, Status
+from dew.objectives.grpo import GRPOObjective
+from dew.records.session_records import Call, Session, Status
 
 VOCAB, WIDTH = 6, 8
 T0 = np.array([[0, 0, 0, 0, 0, 0], [0, 1, 2, 0, 0, 0], [0, 0, 0, 2, 1, 0], [0, 0, 0, 0, 3, 1],

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from dew import models
-from dew.objectives.rl import GRPOObjective
-from dew.objectives.rl.sessions import Call, Session, Status, Task, pack
+from dew.objectives.grpo import GRPOObjective
+from dew.records.session_packing import pack
+from dew.records.session_records import Call, Session, Status, Task
 
 WIDTH = 24
 

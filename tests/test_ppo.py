@@ -19,12 +19,15 @@ from conftest import ROOT
 from test_tool_episodes import EOS, SAMPLING, VOCAB, Harness, Scripted, ToolPolicy, square_then_answer, tasks, verify
 
 from dew import Trainer
-from dew.collection.ppo import episode_gae
+from dew.collection.ppo_rollout import episode_gae
 from dew.data import Dataset
 from dew.inference.generation import Generation
 from dew.losses import policy as losses
-from dew.losses.values import clipped_value_loss, gae, masked_whiten
-from dew.objectives.rl import EpisodeRollout, PPOObjective, PPORollout, ValueHead
+from dew.losses.gae import gae, masked_whiten
+from dew.losses.value_loss import clipped_value_loss
+from dew.collection.episode_rollout import EpisodeRollout
+from dew.collection.ppo_rollout import PPORollout
+from dew.objectives.ppo import PPOObjective, ValueHead
 
 FIXTURE = np.load(ROOT / "tests" / "fixtures" / "verl_ppo.npz")
 META = json.loads(str(FIXTURE["meta"]))

@@ -18,7 +18,8 @@ ray = pytest.importorskip("ray")
 from dew import Dataset, Trainer  # noqa: E402
 from dew.data.prompts import utf8_column  # noqa: E402
 from dew.inference import NativeRolloutServer, Server, ServerDied, ServingTask  # noqa: E402
-from dew.objectives.rl import GRPOObjective, PromptSource  # noqa: E402
+from dew.collection.sources import PromptSource  # noqa: E402
+from dew.objectives.grpo import GRPOObjective  # noqa: E402
 from dew.collection.scheduler import RolloutScheduler  # noqa: E402
 from dew.collection.tasks import prompt_tasks  # noqa: E402
 from dew.sampling import Sampling  # noqa: E402
@@ -31,7 +32,7 @@ from dew_ray.actors import (  # noqa: E402
     start_rollout_servers,
     start_sandbox_runners,
 )
-from dew_ray.weights import WeightBroadcast  # noqa: E402
+from dew_ray.weight_broadcast import WeightBroadcast  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 EOS = tuple(range(16))
@@ -303,7 +304,7 @@ def test_environment_workers_run_sessions_and_the_scheduler_trains_through_them(
     from ray import cloudpickle
 
     import test_rollout_sources
-    from dew.objectives.rl.sessions import Status, Task
+    from dew.records.session_records import Status, Task
     from dew_ray.actors import RemoteEnvironmentSource, start_environment_workers
 
     cloudpickle.register_pickle_by_value(test_rollout_sources)  # the actors cannot import the tests

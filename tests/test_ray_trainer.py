@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray")
 
 from ray import cloudpickle  # noqa: E402
 
-from dew_ray.actors.trainer import TrainerHost, TrainJob, start_trainer_group, step_group  # noqa: E402
+from dew_ray.actors.trainer_actor import TrainerHost, TrainJob, start_trainer_group, step_group  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 GLOBAL = np.random.default_rng(0).integers(0, 32, (8, 13)).astype(np.int32)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from dew.data.prompts import utf8_column
-from dew.objectives.rl import GRPOObjective, SampledRollout
+from dew.collection.sampled_rollout import SampledRollout
+from dew.objectives.grpo import GRPOObjective
 from dew.sandbox import CodeReward, MathReward, Outcome, SandboxLimits, Verdict
-from dew.sandbox.rewards import last_boxed, last_python_block, output_lines
+from dew.sandbox.verifiable_rewards import last_boxed, last_python_block, output_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH_VERIFY = json.loads((ROOT / "tests" / "fixtures" / "math_verify.json").read_text())

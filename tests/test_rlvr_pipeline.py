@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 from conftest import ROOT, free_port, import_from  # noqa: E402
 
 from dew.data.verifiable import task_tokenizer  # noqa: E402
-from dew.objectives.rl.verl import from_verl, to_verl  # noqa: E402
+from dew.records.verl_rows import from_verl, to_verl  # noqa: E402
 from dew_ray.pipelines.rlvr import RLVRPipeline, RLVRPipelineConfig, load_config  # noqa: E402
 from tracker_files import tensorboard_scalars, wandb_history  # noqa: E402
 

@@ -15,10 +15,11 @@ from dew.inference import WeightPublisher
 from dew import Dataset, Trainer
 from dew.data.prompts import utf8_column
 from dew.inference import NativeRolloutServer, Server, ServingTask
-from dew.objectives.rl import GRPOObjective, PromptSource
+from dew.collection.sources import PromptSource
+from dew.objectives.grpo import GRPOObjective
 from dew.collection.scheduler import RolloutScheduler, SchedulerRecord
 from dew.collection.tasks import prompt_tasks, task_ids
-from dew.objectives.rl.sessions import Call, Session, SessionSource, Status
+from dew.records.session_records import Call, Session, SessionSource, Status
 from dew.sampling import Sampling
 
 WIDTH = 8  # seq_len 7

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from dew.inference import NativeRolloutServer, Server, ServingTask
-from dew.objectives.rl import EnvironmentSource, PromptSource
-from dew.records.episodes import Environment, EpisodeId, EpisodeStatus, Observation
-from dew.objectives.rl.sessions import Status, Task, chain_lengths, pack
+from dew.collection.sources import EnvironmentSource, PromptSource
+from dew.records.episode_protocol import Environment, EpisodeId, EpisodeStatus, Observation
+from dew.records.session_packing import chain_lengths, pack
+from dew.records.session_records import Status, Task
 from dew.sampling import Sampling
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from conftest import ScriptedPolicy
 
-from dew.objectives.rl import EpisodeRollout
-from dew.records.episodes import (
+from dew.collection.episode_rollout import EpisodeRollout
+from dew.records.episode_protocol import (
     Action,
     Environment,
     EnvironmentFailure,
@@ -238,7 +238,7 @@ def test_the_worker_dies_with_its_parent():
     marker = f"dew-test-{uuid.uuid4().hex}"
     code = f"""
 import sys, time
-from dew.records.episodes import EpisodeId
+from dew.records.episode_protocol import EpisodeId
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 factory = SubprocessEnvironment([sys.executable, {WORKER!r}, "--marker", {marker!r}], SandboxLimits(wall_seconds=60))
 with factory(EpisodeId(0, 0, 0, 0)) as env:

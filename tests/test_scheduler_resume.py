@@ -15,10 +15,11 @@ from test_rollout_sources import EOS, Harness
 
 from dew import Dataset, Trainer
 from dew.inference import NativeRolloutServer, Server, ServingTask
-from dew.objectives.rl import EnvironmentSource, GRPOObjective
+from dew.collection.sources import EnvironmentSource
+from dew.objectives.grpo import GRPOObjective
 from dew.collection.scheduler import RolloutScheduler
 from dew.collection.tasks import task_ids
-from dew.objectives.rl.sessions import Call, Session, SessionSource, Status, Task
+from dew.records.session_records import Call, Session, SessionSource, Status, Task
 from dew.sampling import Sampling
 
 WIDTH = 8

@@ -3,16 +3,9 @@
 import numpy as np
 import pytest
 
-from dew.objectives.rl.sessions import (
-    Call,
-    Session,
-    Status,
-    Task,
-    chain_lengths,
-    pack,
-    rows_needed,
-    session_metrics,
-)
+from dew.records.session_metrics import session_metrics
+from dew.records.session_packing import chain_lengths, pack, rows_needed
+from dew.records.session_records import Call, Session, Status, Task
 
 
 def call(prompt, sampled, version=0, **extra):

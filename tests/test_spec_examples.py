@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -176,18 +177,20 @@ def test_the_spec_import_paths_name_real_objects():
     import importlib
 
     import dew.objectives.rl as rl
-    from dew.collection import scheduler, sources, tasks
-    from dew.records import episodes, sessions
+    from dew.collection import episode_rollout, flow_rollout, ppo_rollout, sampled_rollout, scheduler, sources, tasks
+    from dew.objectives import dpo, flow_grpo, grpo, ppo
+    from dew.records import episode_protocol as episodes
+    from dew.records import session_records as sessions
 
-    spec_names = {"DPOObjective": None, "GRPOObjective": None, "SampledRollout": None, "RolloutScheduler": scheduler,
-                  "SchedulerRecord": scheduler, "PromptSource": sources, "EnvironmentSource": sources,
-                  "EpisodeId": episodes, "Observation": episodes, "Action": episodes, "Transition": episodes,
-                  "Episode": episodes, "Environment": episodes, "task_ids": tasks, "prompt_tasks": tasks,
-                  "FlowGRPOObjective": None, "FlowRollout": None}
+    spec_names = {"DPOObjective": dpo, "GRPOObjective": grpo, "SampledRollout": sampled_rollout,
+                  "RolloutScheduler": scheduler, "SchedulerRecord": scheduler, "PromptSource": sources,
+                  "EnvironmentSource": sources, "EpisodeId": episodes, "Observation": episodes, "Action": episodes,
+                  "Transition": episodes, "Episode": episodes, "Environment": episodes, "task_ids": tasks,
+                  "prompt_tasks": tasks, "FlowGRPOObjective": flow_grpo, "FlowRollout": flow_rollout,
+                  "EpisodeRollout": episode_rollout, "PPOObjective": ppo, "PPORollout": ppo_rollout, "ValueHead": ppo}
     for name, home in spec_names.items():
         assert name in rl.__all__ and hasattr(rl, name), name
-        if home is not None:
-            assert getattr(rl, name) is getattr(home, name), name  # the one object, re-exported from its layer
+        assert getattr(rl, name) is getattr(home, name), name  # the one object, re-exported from its home
     facade = importlib.import_module("dew.objectives.rl.sessions")
     for name in ("Call", "Session", "Status", "Task", "SessionSource", "pack", "chain_lengths", "rows_needed",
                  "session_metrics"):
@@ -200,6 +203,27 @@ def test_the_spec_import_paths_name_real_objects():
     for name in ("Field", "InputSpec", "Trainer", "models", "presets"):
         assert hasattr(dew, name), name
     assert hasattr(dew.models, "SimpleDiT") and hasattr(dew.presets, "Flow")
+
+
+def test_nothing_in_the_project_imports_through_the_spec_facade():
+    """``dew.objectives.rl`` is the spec's import paths only: the project imports every name from its home, so the
+    facade never decides the layers; only the spec's own examples (examples/spec) and the test above use it."""
+    import ast
+
+    users = []
+    for path in sorted(ROOT.glob("**/*.py")):
+        relative = path.relative_to(ROOT)
+        if relative.parts[0].startswith(".") or relative.parts[:2] == ("examples", "spec") or relative.parts[:3] == (
+                "dew", "objectives", "rl") or relative == Path("tests/test_spec_examples.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(relative))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if any(name == "dew.objectives.rl" or name.startswith("dew.objectives.rl.") for name in names):
+                users.append(f"{relative}:{node.lineno}")
+    assert not users, f"these import through the spec facade instead of the names' homes: {users}"
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from dew.recipes.stage_files import StageRun
 
 def write_model(directory):
     from dew.data.stories import story_tokenizer
-    from dew.models.presets import tiny_qwen3
+    from dew.models.named_shapes import tiny_qwen3
     from dew.models.pretrained import Pretrained
 
     tokenizer = story_tokenizer()

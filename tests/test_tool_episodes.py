@@ -25,13 +25,14 @@ import pytest
 from conftest import ScriptedPolicy
 
 from dew import Trainer
-from dew.collection.episodes import EpisodeCancelled, EpisodeFailure
+from dew.collection.episode_rollout import EpisodeCancelled, EpisodeFailure
 from dew.data import Dataset
 from dew.inference import TextGeneration
 from dew.models.transformer import CausalTransformer
-from dew.objectives.rl import EpisodeRollout, GRPOObjective
-from dew.records.episode_sessions import session_of
-from dew.records.episodes import Environment, EpisodeStatus, Observation
+from dew.collection.episode_rollout import EpisodeRollout
+from dew.objectives.grpo import GRPOObjective
+from dew.records.episode_records import session_of
+from dew.records.episode_protocol import Environment, EpisodeStatus, Observation
 from dew.sampling import Sampling
 
 PAD, EOS, SQUARE, RESULT = 0, 1, 2, 3

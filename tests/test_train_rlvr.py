@@ -23,7 +23,7 @@ from dew.data.verifiable import (
     verifiable_tasks,
 )
 from dew.collection.tasks import prompt_tasks
-from dew.recipes.rewards import CachedCodeReward, RoutedReward, verifiable_reward
+from dew.recipes.reward_routing import CachedCodeReward, RoutedReward, verifiable_reward
 from dew.sandbox import ProcessRunner, SandboxFleet, SandboxLimits, default_runner
 from tests.conftest import ROOT
 

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from dew.data import Prompts
 from dew.data.dataset import Partition
 from dew.data.prompts import utf8_text
-from dew.objectives.rl.sessions import Call, Session, Status, Task, pack
-from dew.objectives.rl.verl import VerlTrajectory, from_verl, to_verl
+from dew.records.session_packing import pack
+from dew.records.session_records import Call, Session, Status, Task
+from dew.records.verl_rows import from_verl, to_verl, VerlTrajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"

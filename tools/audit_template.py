@@ -44,10 +44,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dew (run from anywhere)
 
-from dew.collection.harbor import trace_call  # noqa: E402
-from dew.records.packing import strict_chains  # noqa: E402
-from dew.records.sessions import Session, Status, Task  # noqa: E402
-from dew.records.verl import from_verl  # noqa: E402
+from dew.collection.harbor_source import trace_call  # noqa: E402
+from dew.records.session_packing import strict_chains  # noqa: E402
+from dew.records.session_records import Session, Status, Task  # noqa: E402
+from dew.records.verl_rows import from_verl  # noqa: E402
 from tools.qwen3_vocab import qwen3_tokenizer  # noqa: E402
 
 QWEN3_TEMPLATE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3.jinja"

@@ -55,7 +55,7 @@ from dew.inference import (
 from dew.inference.engines import free_port
 from dew.inference.landing import SCORERS, halved_down_proj
 from dew.inference.wire import EngineError, call
-from dew.models.presets import tiny_qwen3
+from dew.models.named_shapes import tiny_qwen3
 from dew.models.pretrained import Pretrained
 from dew.sampling import Sampling
 

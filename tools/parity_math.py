@@ -6,7 +6,7 @@ from the repository root:
     .venv-ref/bin/python tools/parity_math.py
 
 Each row is a completion (mostly an answer wrapped in ``\boxed{}``), a reference answer,
-MathReward's expected verdict under its documented rules (dew/sandbox/rewards.py) and,
+MathReward's expected verdict under its documented rules (dew/sandbox/verifiable_rewards.py) and,
 where that verdict differs from math-verify's, why. math-verify is called as its README
 shows: ``verify(parse(f"${reference}$"), parse(completion))`` with default settings.
 Writes tests/fixtures/math_verify.json with the table, math-verify's verdicts and its

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 from dew.data.dataset import Batch
 from dew.inference.publisher import WeightPublisher
-from dew.records.packing import pack
+from dew.records.session_packing import pack
 from dew.sharding import (
     DATA_AXIS,
     collective_host,

@@ -13,7 +13,7 @@ import dataclasses
 from concurrent.futures import Future
 
 from dew.data.dataset import Batch
-from dew.records.sessions import Session, Task
+from dew.records.session_records import Session, Task
 
 
 @dataclasses.dataclass

@@ -37,8 +37,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dew.records.episode_sessions import ActionRecord
-from dew.records.episodes import Action, EpisodeStatus, Observation
+from dew.records.episode_records import ActionRecord
+from dew.records.episode_protocol import Action, EpisodeStatus, Observation
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS collections (id INTEGER PRIMARY KEY, fingerprint TEXT NOT NULL, done INTEGER NOT NULL);

@@ -65,9 +65,9 @@ from dew.collection.tasks import infer_tasks
 from dew.data.dataset import Batch, Dataset, StreamPosition
 from dew.inference.publisher import WeightPublisher
 from dew.losses.advantages import ESTIMATORS
-from dew.records.metrics import session_metrics
-from dew.records.packing import chain_lengths, pack, rows_needed
-from dew.records.sessions import TRUNCATIONS, SessionSource, Status, Task
+from dew.records.session_metrics import session_metrics
+from dew.records.session_packing import chain_lengths, pack, rows_needed
+from dew.records.session_records import TRUNCATIONS, SessionSource, Status, Task
 from dew.validation import integer, one_of, positive, positive_int
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Two :class:`~dew.records.sessions.SessionSource` s on a :class:`~dew.inference.RolloutServer`.
+"""Two :class:`~dew.records.session_records.SessionSource` s on a :class:`~dew.inference.RolloutServer`.
 
 ``PromptSource(server, reward, decode=..., max_new_tokens=R)`` is single-turn RLVR: one
 draw per sample, scored by ``reward(data_source, completion, ground_truth, extra_info)``
@@ -7,7 +7,7 @@ overlaps generation.
 
 ``EnvironmentSource(server, environment, verifier, max_prompt_tokens=P,
 max_new_tokens=R, max_turns=T, workers=N)`` runs the in-process
-:class:`~dew.records.episodes.Environment` protocol, one session per sample on a
+:class:`~dew.records.episode_protocol.Environment` protocol, one session per sample on a
 worker thread. Each turn submits the observation's exact context to the server, so
 turns of different sessions share the engine's batch; each call keeps the version it
 was submitted under.
@@ -44,8 +44,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from dew.collection.scoring import finite_score, score_completion, token_text
-from dew.inference.rollout import Draw, DrawFuture, RolloutServer
-from dew.records.episodes import (
+from dew.inference.rollout_server import Draw, DrawFuture, RolloutServer
+from dew.records.episode_protocol import (
     Action,
     Environment,
     Episode,
@@ -54,7 +54,7 @@ from dew.records.episodes import (
     Observation,
     Transition,
 )
-from dew.records.sessions import Call, Session, SessionSource, Status, Task
+from dew.records.session_records import Call, Session, SessionSource, Status, Task
 from dew.validation import positive_int
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from dew.data.dataset import Batch
 from dew.data.prompts import METADATA, metadata_texts, prompt_rows
-from dew.records.sessions import Task
+from dew.records.session_records import Task
 
 
 def task_ids(batch: Batch) -> list[Task]:

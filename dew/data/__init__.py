@@ -3,8 +3,8 @@
 from dew.data.chat import ChatMessages, HFOptions, Role
 from dew.data.dataset import Batch, Dataset, Partition, StreamPosition
 from dew.data.loading import Loading, RecordError
-from dew.data.packing import pack_documents
-from dew.data.preference import PreferencePairs
+from dew.data.document_packing import pack_documents
+from dew.data.preference_pairs import PreferencePairs
 from dew.data.prompts import Prompts
 
 __all__ = [

@@ -31,7 +31,7 @@ import numpy as np
 
 from dew.data.dataset import Dataset, Partition, local_partition
 from dew.data.loading import Loading, PartitionedLoader, Record, RecordError, RecordStream, local_rows, read_file
-from dew.data.packing import pack_documents
+from dew.data.document_packing import pack_documents
 from dew.validation import positive_int
 
 

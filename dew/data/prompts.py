@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from dew.data.loading import Loading, PartitionedLoader, Record, read_records
-from dew.data.preference import token_ids
+from dew.data.preference_pairs import token_ids
 from dew.validation import positive_int
 
 METADATA = ("data_source", "ground_truth", "extra_info")

@@ -17,7 +17,7 @@ import random
 from dew import models
 from dew.data.dataset import Dataset, Partition
 from dew.data.loading import Loading, RecordStream, batches_per_epoch, local_rows
-from dew.data.packing import pack_documents
+from dew.data.document_packing import pack_documents
 
 # transformers announces at import that torch is absent; dew uses it for tokenizers only.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

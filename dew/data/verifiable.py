@@ -39,7 +39,7 @@ A :class:`VerifiableTask` gives its verl-style row (``data_source``, ``prompt``,
 ``reward_model.ground_truth``, ``extra_info``; :class:`~dew.data.Prompts` reads it with
 :func:`task_tokenizer`) and its demonstration (prompt and the reference completion)
 for supervised warm starts (:func:`demonstration_dataset`). The rewards that check them,
-routed by ``data_source``, are the recipe's: :func:`dew.recipes.rewards.verifiable_reward`.
+routed by ``data_source``, are the recipe's: :func:`dew.recipes.reward_routing.verifiable_reward`.
 
 The tokenizer is character-level over printable ASCII and newline (98 ids): the task
 alphabet is small and fixed, so nothing needs training. It is not meant for other text.
@@ -60,7 +60,7 @@ import numpy as np
 from dew.data.chat import Role
 from dew.data.dataset import Dataset, Partition
 from dew.data.loading import Loading, RecordStream, batches_per_epoch, local_rows
-from dew.data.packing import pack_documents
+from dew.data.document_packing import pack_documents
 from dew.validation import positive_int
 
 # transformers announces at import that torch is absent; dew uses it for tokenizers only.

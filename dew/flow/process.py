@@ -9,7 +9,7 @@ training draws times, and how a sampler steps from noise (t = 1) to data (t = 0)
 - ``velocity(output, x, t)``: the model's output as a velocity (a data prediction x0_hat gives
   ``(x - x0_hat) / t``, finite at every t a sampler visits, all > 0);
 - ``times(steps)``: ``steps`` evenly spaced points from 1 down to 0, both endpoints included;
-- ``noise(times)``: each transition's SDE noise sigma_t (:func:`dew.losses.flow.sde_noise`).
+- ``noise(times)``: each transition's SDE noise sigma_t (:func:`dew.losses.flow_sde.sde_noise`).
 
 ``presets.Flow(noise_level=0.7, prediction="velocity", time_sampling="uniform")`` is the
 preset; calling it builds the Process, so ``presets.Flow()()`` is the Flow-GRPO process. The
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.losses.flow import sde_noise
+from dew.losses.flow_sde import sde_noise
 from dew.validation import integer, number, one_of
 
 PREDICTIONS = ("velocity", "data")

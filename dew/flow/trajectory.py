@@ -22,7 +22,7 @@ import numpy as np
 from flax import struct
 
 from dew.flow.process import Process
-from dew.losses.flow import gaussian_log_density, sde_transition
+from dew.losses.flow_sde import gaussian_log_density, sde_transition
 
 
 @struct.dataclass

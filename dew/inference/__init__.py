@@ -7,33 +7,57 @@ Publishing to remote engines: :class:`SafetensorsReload` (through the disk) or
 :class:`LandingCheck`. Agentic sessions: the recording :class:`Gateway` and the
 :class:`SessionProxy` sandboxes reach it through. :class:`VLLMEngine` starts a real vLLM
 from its own environment.
+
+The names load on first use (PEP 562), so a module that needs one piece (the objectives
+need only native generation) does not import the HTTP clients, servers and publishers.
 """
 
-from dew.inference.engines import VLLMEngine, engine_python
-from dew.inference.gateway import Gateway, GatewayError
-from dew.inference.generation import Generation, TextGeneration
-from dew.inference.http import OpenAIFront
-from dew.inference.landing import LandingCheck, LandingError
-from dew.inference.nccl_push import NCCLPush
-from dew.inference.openai_server import (
-    Completion,
-    CompletionChoice,
-    OpenAICompletion,
-    OpenAIRolloutServer,
-    engine_client,
-)
-from dew.inference.publisher import WeightPublisher
-from dew.inference.reload import Publication, SafetensorsReload
-from dew.inference.remote import EnginePool, EngineRolloutServer, VLLMGenerateServer
-from dew.inference.rollout import Draw, DrawFuture, NativeRolloutServer, RolloutServer, ServerDied
-from dew.inference.server import Finished, Server, ServingTask
-from dew.inference.session_proxy import SessionProxy
-from dew.inference.wire import EngineError
+import importlib
 
-__all__ = [
-    "Completion", "CompletionChoice", "Draw", "DrawFuture", "EngineError", "EnginePool", "EngineRolloutServer",
-    "Finished", "Gateway", "GatewayError", "Generation", "LandingCheck", "LandingError", "NCCLPush",
-    "NativeRolloutServer", "OpenAICompletion", "OpenAIFront", "OpenAIRolloutServer", "Publication", "RolloutServer",
-    "SafetensorsReload", "Server", "ServerDied", "ServingTask", "SessionProxy", "TextGeneration", "VLLMEngine",
-    "VLLMGenerateServer", "WeightPublisher", "engine_client", "engine_python",
-]
+_HOMES = {
+    "Completion": "dew.inference.openai_server",
+    "CompletionChoice": "dew.inference.openai_server",
+    "Draw": "dew.inference.rollout_server",
+    "DrawFuture": "dew.inference.rollout_server",
+    "engine_client": "dew.inference.openai_server",
+    "engine_python": "dew.inference.engines",
+    "EngineError": "dew.inference.wire",
+    "EnginePool": "dew.inference.engine_rollout_server",
+    "EngineRolloutServer": "dew.inference.engine_rollout_server",
+    "Finished": "dew.inference.server",
+    "Gateway": "dew.inference.gateway",
+    "GatewayError": "dew.inference.gateway",
+    "Generation": "dew.inference.generation",
+    "LandingCheck": "dew.inference.landing",
+    "LandingError": "dew.inference.landing",
+    "NativeRolloutServer": "dew.inference.rollout_server",
+    "NCCLPush": "dew.inference.nccl_push",
+    "OpenAICompletion": "dew.inference.openai_server",
+    "OpenAIFront": "dew.inference.http",
+    "OpenAIRolloutServer": "dew.inference.openai_server",
+    "Publication": "dew.inference.safetensors_reload",
+    "RolloutServer": "dew.inference.rollout_server",
+    "SafetensorsReload": "dew.inference.safetensors_reload",
+    "Server": "dew.inference.server",
+    "ServerDied": "dew.inference.rollout_server",
+    "ServingTask": "dew.inference.server",
+    "SessionProxy": "dew.inference.session_proxy",
+    "TextGeneration": "dew.inference.generation",
+    "VLLMEngine": "dew.inference.engines",
+    "VLLMGenerateServer": "dew.inference.vllm_generate_server",
+    "WeightPublisher": "dew.inference.publisher",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'dew.inference' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.inference.background import BackgroundServer
-from dew.inference.rollout import Draw, NativeRolloutServer
+from dew.inference.rollout_server import Draw, NativeRolloutServer
 from dew.sampling import Sampling, filtered_logits
 
 MAX_N = 64  # draws one request may ask for

@@ -1,8 +1,8 @@
 """Publishing a policy to vLLM replicas by NCCL broadcast, without the disk and without torch.
 
 ``NCCLPush(pretrained, engines, library)`` is a push like
-:class:`~dew.inference.reload.SafetensorsReload`: call it with ``(variables, version)``, or
-make it the push of a :class:`~dew.inference.reload.Publication`. It sends the tensors
+:class:`~dew.inference.safetensors_reload.SafetensorsReload`: call it with ``(variables, version)``, or
+make it the push of a :class:`~dew.inference.safetensors_reload.Publication`. It sends the tensors
 ``Pretrained.save`` would write (``Pretrained.export``, in ``served_dtype``) from one trainer
 GPU into every replica's GPUs. ``library`` is the engine's own ``libnccl.so.2``; launch vLLM
 with ``--weight-transfer-config '{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``.
@@ -48,7 +48,7 @@ import numpy as np
 
 from dew.inference.landing import LandingCheck
 from dew.inference.nccl import NCCLSender
-from dew.inference.reload import PAUSED, each_replica, land, on_one_process, vllm_commit, vllm_pause
+from dew.inference.safetensors_reload import PAUSED, each_replica, land, on_one_process, vllm_commit, vllm_pause
 from dew.inference.wire import EngineError, expect
 from dew.models.pretrained import Pretrained
 from dew.sharding import collective_host

@@ -21,7 +21,7 @@ refuses the Sampling it cannot report, when it is built:
 - vLLM reports raw model log-probabilities unless started with ``--logprobs-mode
   processed_logprobs``: a transforming Sampling (temperature other than 1) needs
   ``processed_logprobs=True``; a filtering one (top-k, top-p, min-p) needs each draw's
-  kept ids, which only the token route returns: use :class:`~dew.inference.remote.VLLMGenerateServer`;
+  kept ids, which only the token route returns: use :class:`~dew.inference.vllm_generate_server.VLLMGenerateServer`;
 - SGLang's ``/v1/completions`` reports ``log_softmax(logits / temperature)`` before its
   filters and has no field for the filtered likelihood: any temperature, no filter.
 
@@ -42,8 +42,8 @@ import numpy as np
 import openai
 
 from dew.inference.publisher import WeightPublisher
-from dew.inference.remote import EngineRolloutServer, decode_routed_experts, sampling_params
-from dew.inference.rollout import Draw
+from dew.inference.engine_rollout_server import EngineRolloutServer, decode_routed_experts, sampling_params
+from dew.inference.rollout_server import Draw
 from dew.inference.wire import EngineError
 from dew.records.actions import token_ids
 from dew.sampling import Sampling

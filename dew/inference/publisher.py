@@ -5,7 +5,7 @@ served policy, and ``version``, the version served now. The RolloutScheduler pus
 through one and checks the type, not the attribute names. Every rollout server is one
 (:class:`~dew.inference.RolloutServer` derives from it: the native server loads its own
 Server); publishers that serve other processes implement it too: ``WeightBroadcast``
-(Ray actors through the object store, in ``dew_ray.weights``), and the publishers for
+(Ray actors through the object store, in ``dew_ray.weight_broadcast``), and the publishers for
 vLLM and SGLang replicas to come (safetensors reload, NCCL, a stamped Publication).
 
 ``version`` is held by the publisher alone: a client, a pool or a broadcast that serves

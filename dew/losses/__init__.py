@@ -19,7 +19,7 @@ from dew.losses.policy import (
     token_band_mask,
     token_tis_weights,
 )
-from dew.losses.preference import dpo_loss, sequence_log_probs
+from dew.losses.dpo_loss import dpo_loss, sequence_log_probs
 
 __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "SEQUENCE_MODES", "aggregate", "cispo_surrogate", "dpo_loss", "group_advantages",

@@ -3,7 +3,7 @@
 Outcome rewards to group-relative advantages, as verl 0.9.1's
 compute_grpo_outcome_advantage and compute_rloo_outcome_advantage compute them
 (tools/parity_agentic.py records them; tests/test_agentic_losses.py compares at 1e-6).
-GAE and advantage whitening for PPO belong here too.
+PPO's GAE and its whitening are :mod:`dew.losses.gae`.
 """
 
 from __future__ import annotations

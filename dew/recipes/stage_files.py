@@ -13,7 +13,7 @@ file (Parquet, JSONL, or a ``datasets`` directory saved with ``save_to_disk``):
   ``"math"`` (:class:`~dew.sandbox.MathReward` on the decoded completion) or
   ``"module:function"``, any importable function with dew's reward signature.
 
-Unlike :class:`~dew.recipes.chain.Recipe`, these runs hold the tokenizer, so a GRPO reward
+Unlike :class:`~dew.recipes.stage_chain.Recipe`, these runs hold the tokenizer, so a GRPO reward
 reads decoded text and the tokenizer's EOS ends a completion.
 
 :class:`StageOptions` are one stage's fields; :class:`StageRun` adds the model, output
@@ -38,12 +38,12 @@ from pydantic import Field
 
 from dew.config import Config
 from dew.data.chat import ChatMessages
-from dew.data.preference import PreferencePairs
+from dew.data.preference_pairs import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.models.pretrained import Pretrained, load_pretrained
-from dew.recipes.chain import Stage, stage_trainer
+from dew.recipes.stage_chain import Stage, stage_trainer
 from dew.experiment_trackers import TrackerOptions
-from dew.sandbox.rewards import MathReward
+from dew.sandbox.verifiable_rewards import MathReward
 from dew.trainer import TrainState
 
 KIND = Literal["sft", "dpo", "grpo"]

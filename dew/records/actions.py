@@ -7,7 +7,7 @@ likelihoods that are not one finite value per sampled id (behaviour log-probabil
 also at most 0), a termination flag that disagrees with the configured EOS ids and ids
 after an EOS. The vocabulary's upper bound is the caller's to check: only it knows the
 model. :func:`check_call` applies it, with the router and support records, to every
-:class:`~dew.records.sessions.Call` that reaches ``pack``.
+:class:`~dew.records.session_records.Call` that reaches ``pack``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def check_action(where: str, context: Sequence[int], sampled: Sequence[int], beh
 
 
 def check_call(where: str, call, eos_ids: Iterable[int] = ()) -> None:
-    """Check a :class:`~dew.records.sessions.Call` before packing: the action, its support and router records."""
+    """Check a :class:`~dew.records.session_records.Call` before packing: the action, its support and router records."""
     eos = None if call.finish_reason not in ("stop", "length") else call.finish_reason == "stop"
     check_action(where, call.prompt_ids, call.sampled_ids, call.behavior_log_probs, call.old_log_probs,
                  eos=eos if eos_ids else None, eos_ids=eos_ids, names=("prompt_ids", "sampled_ids"))

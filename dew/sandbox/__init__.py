@@ -1,9 +1,9 @@
 """Sandboxed execution: programs, limits, runners, the fleet, SubprocessEnvironment and verifiable rewards."""
 
-from dew.sandbox.environment import SubprocessEnvironment, WorkerEnvironment
+from dew.sandbox.subprocess_environment import SubprocessEnvironment, WorkerEnvironment
 from dew.sandbox.fleet import SandboxFleet
 from dew.sandbox.program import Outcome, Program, SandboxLimits, Verdict
-from dew.sandbox.rewards import CodeReward, MathReward
+from dew.sandbox.verifiable_rewards import CodeReward, MathReward
 from dew.sandbox.runners import BwrapRunner, ContainerRunner, ProcessRunner, Runner, default_runner
 
 __all__ = [

@@ -1,21 +1,21 @@
 """Ray actors over plain dew classes: trainers, rollout servers, environment workers, sandbox runners."""
 
-from dew_ray.actors.engine import VLLMEngineActor, VLLMEngineHost, start_vllm_engines, vllm_rollouts
-from dew_ray.actors.environment import (
+from dew_ray.actors.vllm_engine_actor import VLLMEngineActor, VLLMEngineHost, start_vllm_engines, vllm_rollouts
+from dew_ray.actors.environment_worker import (
     EnvironmentWorker,
     EnvironmentWorkerHost,
     RemoteEnvironmentSource,
     start_environment_workers,
 )
-from dew_ray.actors.rollout import (
+from dew_ray.actors.rollout_server_actor import (
     RemoteRolloutServer,
     RolloutServerActor,
     RolloutServerHost,
     ServerPool,
     start_rollout_servers,
 )
-from dew_ray.actors.sandbox import RemoteFleet, SandboxRunnerActor, SandboxRunnerHost, start_sandbox_runners
-from dew_ray.actors.trainer import TrainerActor, TrainerHost, TrainJob, start_trainer_group, step_group
+from dew_ray.actors.sandbox_runner_actor import RemoteFleet, SandboxRunnerActor, SandboxRunnerHost, start_sandbox_runners
+from dew_ray.actors.trainer_actor import TrainerActor, TrainerHost, TrainJob, start_trainer_group, step_group
 
 __all__ = [
     "EnvironmentWorker",

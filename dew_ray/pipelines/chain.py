@@ -47,9 +47,9 @@ from dew.config import load_config
 from dew.experiment_trackers import MetricWriters, TrackerOptions
 from dew.models.pretrained import Pretrained
 from dew.recipes.stage_files import StageSpec, decoding, export_policy, model_tokenizer, stage_of
-from dew.recipes.chain import stage_trainer
+from dew.recipes.stage_chain import stage_trainer
 from dew_ray.actors import start_trainer_group, step_group
-from dew_ray.actors.trainer import TrainJob
+from dew_ray.actors.trainer_actor import TrainJob
 from dew_ray.pipelines.run_dirs import PreflightError, pipeline_main, resolve_run_dir, start_ray, writable
 
 __all__ = ["ChainConfig", "ChainPipeline", "main", "run"]

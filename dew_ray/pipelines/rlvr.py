@@ -5,7 +5,7 @@
 What runs where:
 
 - a Ray task warm-starts the built-in decoder with SFT on the tasks' demonstrations
-  (:func:`dew.recipes.rlvr.warm_start`);
+  (:func:`dew.recipes.rlvr_recipe.warm_start`);
 - ``servers`` RolloutServerActors serve it (NativeRolloutServer, continuous batching), or
   with ``engine="vllm"`` ``servers`` VLLMEngineActors each own a vLLM process launched on
   ``<run_dir>/engine/policy``, drawn from with OpenAIRolloutServer and published to by
@@ -17,11 +17,11 @@ What runs where:
   the servers (:class:`~dew_ray.actors.ServerPool`), scored by the built-in rewards
   with code on the sandbox pool (:class:`~dew_ray.actors.RemoteFleet`); the scheduler
   publishes weights to the servers through the object store
-  (:class:`~dew_ray.weights.WeightBroadcast`);
+  (:class:`~dew_ray.weight_broadcast.WeightBroadcast`);
 - one placement group reserves every actor's CPUs (the ``*_cpus`` fields) before any
   starts (:class:`~dew_ray.placement.RolePlacement`);
 - the driver (this process) only builds the actors, steps the trainers, writes the run
-  directory and sets the dashboard series (:mod:`dew_ray.metrics`).
+  directory and sets the dashboard series (:mod:`dew_ray.dashboard_metrics`).
 
 Prompts are the built-in verifiable tasks (:mod:`dew.data.verifiable`), or verl-style
 rows from ``prompts`` (a Parquet or JSONL file with ``data_source``, ``prompt``,
@@ -80,7 +80,7 @@ from dew.experiment_trackers import MetricWriters
 from dew.inference import SafetensorsReload, ServingTask
 from dew.inference.engines import engine_dir, engine_python
 from dew.models.pretrained import Pretrained
-from dew.recipes.rlvr import SANDBOX_LIMITS, built_in_tasks, decoder, measure_reward, sandbox_runner
+from dew.recipes.rlvr_recipe import SANDBOX_LIMITS, built_in_tasks, decoder, measure_reward, sandbox_runner
 from dew.sampling import Sampling
 from dew.sandbox import BwrapRunner, Program, SandboxLimits, Verdict
 from dew_ray.actors import (
@@ -91,7 +91,7 @@ from dew_ray.actors import (
     start_vllm_engines,
     step_group,
 )
-from dew_ray.metrics import PipelineMetrics
+from dew_ray.dashboard_metrics import PipelineMetrics
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
 from dew_ray.pipelines.rlvr_job import (
     ENGINE_MODEL,

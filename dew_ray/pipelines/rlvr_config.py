@@ -1,4 +1,4 @@
-"""The RLVR pipeline's options: the built-in run's (:class:`dew.recipes.rlvr.RLVRConfig`) plus the Ray roles.
+"""The RLVR pipeline's options: the built-in run's (:class:`dew.recipes.rlvr_recipe.RLVRConfig`) plus the Ray roles.
 
 Read with :func:`load_config` (a TOML file, flat or under ``[rlvr]``, then ``--set
 key=value`` overrides), the loader every pipeline shares (:mod:`dew.config`); a bad value
@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 
 from dew.config import load_config as load_any
 from dew.experiment_trackers import TrackerOptions
-from dew.recipes.rlvr import RLVRConfig
+from dew.recipes.rlvr_recipe import RLVRConfig
 
 
 class RLVRPipelineConfig(RLVRConfig, TrackerOptions):

@@ -2,7 +2,7 @@
 
 The driver works out a :class:`Setup` once (config, row width, prompt length, prompt rows)
 and every trainer process builds its job from it (:func:`trainer_job`), the same GRPO job
-the one-process example trains (:func:`dew.recipes.rlvr.grpo_job`), here over a
+the one-process example trains (:func:`dew.recipes.rlvr_recipe.grpo_job`), here over a
 :class:`~dew_ray.actors.ServerPool` of the rollout-server actors (or, with ``engine="vllm"``,
 an EnginePool over the vLLM engines, :func:`engine_rollouts`), scored by the built-in
 rewards with code on the sandbox-runner actors (:class:`~dew_ray.actors.RemoteFleet`).
@@ -25,10 +25,10 @@ import pyarrow.parquet as pq
 from dew.data import Loading, Prompts
 from dew.inference.engines import engine_dir
 from dew.data.verifiable import MATH_SOURCE, task_rows, task_tokenizer
-from dew.recipes.rewards import RoutedReward, verifiable_reward
-from dew.recipes.rlvr import decoder, grpo_job, warm_start
+from dew.recipes.reward_routing import RoutedReward, verifiable_reward
+from dew.recipes.rlvr_recipe import decoder, grpo_job, warm_start
 from dew.models.pretrained import Pretrained
-from dew.objectives.rl.verl import to_verl
+from dew.records.verl_rows import to_verl
 from dew.sampling import Sampling
 from dew_ray.actors import RemoteFleet, RemoteRolloutServer, ServerPool, TrainJob, vllm_rollouts
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig

@@ -37,12 +37,13 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
     import optax
     from test_tool_episodes import RESULT, Harness, ToolPolicy, verify
 
-    from dew.records.episodes import EpisodeStatus, Observation
+    from dew.records.episode_protocol import EpisodeStatus, Observation
     from dew.sampling import Sampling
 
     from dew import Dataset, Trainer
     from dew.inference import TextGeneration
-    from dew.objectives.rl import EpisodeRollout, GRPOObjective
+    from dew.collection.episode_rollout import EpisodeRollout
+    from dew.objectives.grpo import GRPOObjective
 
     class Chatty(Harness):
         """Process 1's rows (task % 4 >= 2) talk for two more turns whatever the policy says: more rounds there."""

@@ -31,7 +31,8 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
     import optax
 
     from dew import Dataset, Field, InputSpec, Trainer, models, presets
-    from dew.objectives.rl import FlowGRPOObjective, FlowRollout
+    from dew.collection.flow_rollout import FlowRollout
+    from dew.objectives.flow_grpo import FlowGRPOObjective
 
     model = models.SimpleDiT(output_channels=1, patch_size=2, emb_features=8, num_layers=1, num_heads=2, mlp_ratio=2)
     objective = FlowGRPOObjective(model, presets.Flow()(), InputSpec(Field("image", (4, 4, 1))), beta=0.01, steps=5)

@@ -33,7 +33,7 @@ def main(process: int, port: str, directory: str, out: str) -> None:
     from standins import Fabric, FabricSender, NCCLVLLMStandIn
 
     from dew.inference import NCCLPush, Publication
-    from dew.models.presets import tiny_qwen3
+    from dew.models.named_shapes import tiny_qwen3
     from dew.models.pretrained import Pretrained
     from dew.sharding import data_mesh
 

@@ -21,7 +21,9 @@ import optax
 from dew import Dataset, Trainer, models
 from dew.collection.journal import EpisodeJournal
 from dew.inference import TextGeneration
-from dew.objectives.rl import EpisodeRollout, EpisodeStatus, GRPOObjective
+from dew.collection.episode_rollout import EpisodeRollout
+from dew.objectives.grpo import GRPOObjective
+from dew.records.episode_protocol import EpisodeStatus
 from dew.sampling import Sampling
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 

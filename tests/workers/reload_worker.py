@@ -23,7 +23,7 @@ def main(process: int, port: str, url: str, directory: str, out: str) -> None:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from dew.inference import Publication, SafetensorsReload
-    from dew.models.presets import tiny_qwen3
+    from dew.models.named_shapes import tiny_qwen3
     from dew.models.pretrained import Pretrained
     from dew.sharding import data_mesh
 

@@ -40,11 +40,11 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
     import optax
 
     from dew import Dataset, Trainer, models
-    from dew.objectives.rl import GRPOObjective
+    from dew.objectives.grpo import GRPOObjective
     from dew.collection.scheduler import RolloutScheduler
     from dew.inference import WeightPublisher
     from dew.collection.tasks import task_ids
-    from dew.objectives.rl.sessions import Call, Session, SessionSource, Status
+    from dew.records.session_records import Call, Session, SessionSource, Status
 
     width = 8  # seq_len 7: a group's two sessions (3 and 4 ids) share one row, and no other group fits beside
     model = models.build("causal_transformer", vocab_size=16, emb_features=16, num_layers=1, num_heads=2,
@@ -105,7 +105,7 @@ def main(scenario: str, process: int, port: str, out: str) -> None:
     if scenario == "native":
         from dew.data.prompts import utf8_column
         from dew.inference import NativeRolloutServer, Server, ServingTask
-        from dew.objectives.rl import PromptSource
+        from dew.collection.sources import PromptSource
         from dew.collection.tasks import prompt_tasks
         from dew.sampling import Sampling
 

@@ -10,7 +10,7 @@ implements the :class:`~dew.inference.RolloutServer` interface (submit, cancel, 
 version) over Ray calls, so PromptSource and EnvironmentSource run unchanged against a
 local server or a remote one. :class:`ServerPool` spreads draws over several servers
 (the one with the fewest draws in flight takes the next) and loads weights into all of
-them with one object-store put (:class:`~dew_ray.weights.WeightBroadcast`). A server
+them with one object-store put (:class:`~dew_ray.weight_broadcast.WeightBroadcast`). A server
 whose actor dies fails its draws (:class:`~dew.inference.ServerDied`), which the
 scheduler sees as infrastructure errors and submits again; the pool leaves the dead
 server out from then on. With a ``timeout``, a server that stops answering (its process
@@ -43,7 +43,7 @@ from dew.inference import (
     ServerDied,
     ServingTask,
 )
-from dew_ray.weights import WeightBroadcast
+from dew_ray.weight_broadcast import WeightBroadcast
 from dew.validation import positive, positive_int
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ RolloutServerActor = ray.remote(RolloutServerHost)
 class RemoteRolloutServer(RolloutServer):
     """The RolloutServer interface over one ``RolloutServerActor`` (see the module docstring).
 
-    The served version is its publisher's: a :class:`~dew_ray.weights.WeightBroadcast`
+    The served version is its publisher's: a :class:`~dew_ray.weight_broadcast.WeightBroadcast`
     over this actor alone, or, for a member of a :class:`ServerPool`, the pool's one
     broadcast over every member (``publisher``), so a member's version is the pool's.
     """
@@ -224,7 +224,7 @@ class RemoteRolloutServer(RolloutServer):
 class ServerPool(RolloutServer):
     """Draws spread over several RemoteRolloutServers; weights loaded into all with one put.
 
-    The pool's one :class:`~dew_ray.weights.WeightBroadcast` holds the served version for
+    The pool's one :class:`~dew_ray.weight_broadcast.WeightBroadcast` holds the served version for
     the pool and its members. When a draw fails, whether its server died is asked on a
     thread of the pool's own, outside the lock ``submit`` takes: a server that stops
     answering delays only the check of its own liveness, never the other servers' draws.

@@ -41,10 +41,10 @@ from dew.data.verifiable import (
     teacher_errors,
     verifiable_tasks,
 )
-from dew.inference.rollout import RolloutServer, ServerDied
+from dew.inference.rollout_server import RolloutServer, ServerDied
 from dew.losses.policy import lag_shares
 from dew.objectives import LMObjective
-from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.grpo import GRPOObjective
 from dew.optimizers import skip_empty_updates
 from dew.sandbox import ProcessRunner, SandboxLimits, default_runner
 

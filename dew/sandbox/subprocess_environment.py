@@ -1,7 +1,7 @@
 """SubprocessEnvironment: a tool episode's environment served by a local worker process over JSON lines.
 
 ``SubprocessEnvironment(command, limits, env)`` is an environment factory: called with
-an :class:`~dew.records.episodes.EpisodeId` it returns a :class:`WorkerEnvironment`,
+an :class:`~dew.records.episode_protocol.EpisodeId` it returns a :class:`WorkerEnvironment`,
 used as a context manager. On entry (or at its first request) it starts the argv
 ``command`` with :func:`dew.sandbox.launcher.launch` in a fresh temporary directory
 (its working directory, HOME and TMPDIR; ``directory`` while open), and on exit it
@@ -31,7 +31,7 @@ bad ids) never raises out of ``reset``/``step``: they return an ``error`` observ
 whose detail names what happened, with the worker's stderr; the worker is killed and
 every later ``reset``/``step`` returns that same observation. ``get_state`` and
 ``set_state`` are journal operations, so there a failure raises
-:class:`~dew.records.episodes.EnvironmentFailure`. A worker that itself replies
+:class:`~dew.records.episode_protocol.EnvironmentFailure`. A worker that itself replies
 ``"error"`` is alive and keeps being asked.
 
 What is isolated: resources (the limits above), the process group (killed on exit) and
@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from dew.records.episodes import (
+from dew.records.episode_protocol import (
     Action,
     Environment,
     EnvironmentFailure,

@@ -4,7 +4,7 @@ The policy is the model being trained; the reference is its starting variables, 
 frozen in ``TrainState.ema`` (the objective fixes ``ema_decay`` at 1 and refuses an
 override). For each pair the objective sums next-token log-probabilities over each
 completion (the mask weights of the targets) under both, and applies the sigmoid loss
-of :func:`dew.losses.preference.dpo_loss`.
+of :func:`dew.losses.dpo_loss.dpo_loss`.
 
 Batch fields (from ``PreferencePairs.load``): ``input_ids`` and ``completion_mask``,
 both ``[pairs, 2, seq_len + 1]``, index 0 chosen and 1 rejected.
@@ -35,7 +35,7 @@ from dew.objectives.base import (
     require_field,
 )
 from dew.objectives.lm import token_log_probs
-from dew.losses.preference import dpo_loss, sequence_log_probs
+from dew.losses.dpo_loss import dpo_loss, sequence_log_probs
 from dew.validation import positive
 
 _UNSET = object()

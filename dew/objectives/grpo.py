@@ -1,6 +1,6 @@
 """Group-relative policy optimisation on packed rows: ``GRPOObjective``.
 
-The batch is what :func:`dew.records.packing.pack` builds (``SampledRollout``
+The batch is what :func:`dew.records.session_packing.pack` builds (``SampledRollout``
 and the schedulers use it): ``[rows, seq_len + 1]`` columns ``input_ids``,
 ``text_segment_ids``, ``text_positions``, ``response_mask``, ``behavior_log_probs``,
 ``advantages`` and ``session_index``, optionally ``old_log_probs`` (raw old-policy

@@ -15,8 +15,8 @@ submission order, a :class:`Status`, the verifier's reward with its components, 
 detail string. A :class:`SessionSource` turns a :class:`Task` into futures of sessions.
 :func:`training_reward` says which sessions train, on what reward.
 
-:mod:`dew.records.packing` turns sessions into one training batch and
-:mod:`dew.records.metrics` reports on it.
+:mod:`dew.records.session_packing` turns sessions into one training batch and
+:mod:`dew.records.session_metrics` reports on it.
 """
 
 from __future__ import annotations

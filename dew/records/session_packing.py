@@ -18,7 +18,7 @@ import numpy as np
 
 from dew.losses.advantages import group_advantages
 from dew.records.actions import check_call
-from dew.records.sessions import Call, Session, check_options, check_truncation, training_reward
+from dew.records.session_records import Call, Session, check_options, check_truncation, training_reward
 from dew.validation import integer, positive_int
 
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from dew.records.packing import chains_of
-from dew.records.sessions import Session, Status, check_truncation, training_reward
+from dew.records.session_packing import chains_of
+from dew.records.session_records import Session, Status, check_truncation, training_reward
 
 
 def session_metrics(

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.collection.episodes import EpisodeRollout
-from dew.losses.values import gae, masked_whiten
+from dew.collection.episode_rollout import EpisodeRollout
+from dew.losses.gae import gae, masked_whiten
 from dew.sharding import collective_host, exchange
 from dew.validation import number
 

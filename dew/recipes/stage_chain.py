@@ -38,14 +38,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dew.collection.rollout import SampledRollout
+from dew.collection.sampled_rollout import SampledRollout
 from dew.data.chat import ChatMessages, Role
 from dew.data.dataset import Dataset
-from dew.data.preference import PreferencePairs
+from dew.data.preference_pairs import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.objectives.lm import LMObjective
-from dew.objectives.rl.dpo import DPOObjective
-from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.dpo import DPOObjective
+from dew.objectives.grpo import GRPOObjective
 from dew.sampling import Sampling
 from dew.trainer import Trainer, TrainState
 from dew.validation import integer, number, positive_int

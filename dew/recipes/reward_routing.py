@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 from dew.data.verifiable import CODE_HARNESS, CODE_SOURCE, MATH_SOURCE
-from dew.sandbox.rewards import CodeReward, MathReward, last_python_block
+from dew.sandbox.verifiable_rewards import CodeReward, MathReward, last_python_block
 from dew.validation import positive_int
 
 

@@ -3,10 +3,10 @@
 The variables are one tree with two subtrees, ``{"policy": ..., "critic": ...}``, trained
 by the ordinary optimizer; the critic is initialised separately from the policy (its own
 key). The policy loss is GRPO's clipped surrogate on the batch's per-token ``advantages``
-(:class:`~dew.objectives.rl.grpo.GRPOObjective`: the same clipping, KL and
+(:class:`~dew.objectives.grpo.GRPOObjective`: the same clipping, KL and
 behaviour-importance controls); with ``beta > 0`` the frozen reference in the EMA slot is
 the policy subtree only (``reference``). The critic loss is
-:func:`dew.losses.values.clipped_value_loss`: half the squared error to ``returns``, its
+:func:`dew.losses.value_loss.clipped_value_loss`: half the squared error to ``returns``, its
 predictions clipped to ``old_values +- value_clip``, times ``value_coefficient``. Both
 losses reduce over the same action-token mass (token-mean; other aggregations and
 sequence masks are refused).
@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.inference.generation import TextGeneration
-from dew.losses.values import clipped_value_loss
+from dew.losses.value_loss import clipped_value_loss
 from dew.models.value_head import ValueHead
 from dew.objectives.base import Variables, require_field
-from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.grpo import GRPOObjective
 from dew.validation import number
 
 TARGETS = ("old_values", "advantages", "returns")

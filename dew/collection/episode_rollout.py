@@ -6,7 +6,7 @@ Trainer, ``step=`` (the attempted-work clock). Collection binds the policy once
 (``policy.bind(variables)``: a :class:`~dew.inference.TextGeneration` or anything with the
 same call) and runs ``groups`` episodes of every task together, round by round:
 
-- the factory receives each episode's :class:`~dew.records.episodes.EpisodeId` (task,
+- the factory receives each episode's :class:`~dew.records.episode_protocol.EpisodeId` (task,
   attempted step, sample, a seed from the key) and returns an Environment, entered as a
   context manager; ``reset()`` gives the first context;
 - every round samples all B * G slots in one call, at their fixed row positions: a slot
@@ -27,9 +27,9 @@ or a non-finite reward raises :class:`EpisodeFailure`, and a cancellation (async
 concurrent.futures') or a CANCELLED observation :class:`EpisodeCancelled`, before any
 update: both carry the partial episode, every environment exits under the original
 exception first, and the original is the ``__cause__``. ``record`` receives each host
-:class:`~dew.records.episode_sessions.EpisodeRecord`, completed or failed.
+:class:`~dew.records.episode_records.EpisodeRecord`, completed or failed.
 
-The batch is ``pack`` of :func:`~dew.records.episode_sessions.session_of` of every episode
+The batch is ``pack`` of :func:`~dew.records.episode_records.session_of` of every episode
 (group = the task's row), ``truncation="mask"``: truncated episodes train on nothing and
 stay out of the baseline; rows are ``max_prompt_tokens + max_new_tokens`` ids wide
 (``GRPOObjective(seq_len=width - 1)``) and ``B * G * max_turns`` deep, which always fits.
@@ -66,9 +66,9 @@ import numpy as np
 from dew.collection.journal import EpisodeJournal, policy_digest
 from dew.losses.advantages import ESTIMATORS
 from dew.records.actions import check_action
-from dew.records.episode_sessions import ActionRecord, EpisodeRecord, session_of
-from dew.records.episodes import Action, Environment, Episode, EpisodeId, EpisodeStatus, Observation, Transition
-from dew.records.packing import pack
+from dew.records.episode_records import ActionRecord, EpisodeRecord, session_of
+from dew.records.episode_protocol import Action, Environment, Episode, EpisodeId, EpisodeStatus, Observation, Transition
+from dew.records.session_packing import pack
 from dew.sampling import Sampling
 from dew.sharding import collective_host, describe_error, exchange, raise_failures
 from dew.validation import integer, one_of, positive_int

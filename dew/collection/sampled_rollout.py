@@ -11,7 +11,7 @@ packed into each row's cache), scores every completion with
 
 (``completion`` is ``decode`` of the sampled ids without EOS and padding; the default
 ``decode`` writes the ids separated by spaces), turns each completion into a one-call
-:class:`~dew.records.sessions.Session` (COMPLETED on EOS, TRUNCATED on the budget,
+:class:`~dew.records.session_records.Session` (COMPLETED on EOS, TRUNCATED on the budget,
 both scored: ``truncation="score"``) and returns ``pack(...)`` of them with the raw
 policy's ``old_log_probs``: every column ``[B * G, seq_len + 1]``, session ``b * G + g``
 being prompt row ``b``'s completion ``g``. A reward or decode failure raises naming the
@@ -21,7 +21,7 @@ prompt row; nothing trains on a partial group.
 ``response/length`` and ``response/eos_share``.
 
 For the same recipe over any :class:`~dew.inference.RolloutServer`, as a
-:class:`~dew.records.sessions.SessionSource` whose draws are scored on a thread
+:class:`~dew.records.session_records.SessionSource` whose draws are scored on a thread
 pool as each finishes, see :class:`~dew.collection.sources.PromptSource`.
 """
 
@@ -36,8 +36,8 @@ from dew.data.prompts import METADATA, metadata_texts, prompt_rows
 from dew.inference.generation import TextGeneration
 from dew.collection.scoring import ScoringError, score_completion, token_text
 from dew.losses.advantages import ESTIMATORS
-from dew.records.packing import pack
-from dew.records.sessions import Call, Session, Status, Task
+from dew.records.session_packing import pack
+from dew.records.session_records import Call, Session, Status, Task
 from dew.sampling import Sampling
 from dew.validation import integer, one_of, positive_int
 

@@ -1,7 +1,7 @@
 """Host records of tool episodes and ``session_of``: an episode as a Session the packer trains.
 
-The environment protocol (:mod:`dew.records.episodes`) carries what an environment sees:
-an :class:`~dew.records.episodes.Action` has the context, the sampled ids, the
+The environment protocol (:mod:`dew.records.episode_protocol`) carries what an environment sees:
+an :class:`~dew.records.episode_protocol.Action` has the context, the sampled ids, the
 termination flag and the policy step, and nothing of the likelihoods. The host keeps those
 beside it: an :class:`ActionRecord` is one action with the raw (``old_log_probs``) and
 behaviour log-probabilities the inference call reported for its ids, copied as they came,
@@ -9,7 +9,7 @@ never retokenized or rescored. An :class:`EpisodeRecord` is an episode with one 
 record per transition, its reward, and the identity of the collection binding that
 produced it (``origin``: compared by identity, not a version handle nor a weight hash).
 
-``session_of(record, group=...)`` makes each action a :class:`~dew.records.sessions.Call`,
+``session_of(record, group=...)`` makes each action a :class:`~dew.records.session_records.Call`,
 so ``pack`` merges turns into one chain when the next context starts with the previous
 context plus its sampled ids, and starts a new chain otherwise.
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 from dew.records.actions import check_action
-from dew.records.episodes import Action, Episode, EpisodeStatus
-from dew.records.sessions import Call, Session, Status, Task
+from dew.records.episode_protocol import Action, Episode, EpisodeStatus
+from dew.records.session_records import Call, Session, Status, Task
 from dew.validation import integer
 
 STATUSES = {

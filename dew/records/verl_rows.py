@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from dew.records.actions import check_call, token_ids
-from dew.records.packing import strict_chains
-from dew.records.sessions import Call, Session, Status, Task
+from dew.records.session_packing import strict_chains
+from dew.records.session_records import Call, Session, Status, Task
 from dew.validation import positive_int
 
 ROW_FIELDS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "routed_experts", "multi_modal_data",

@@ -26,10 +26,10 @@ from concurrent.futures import Future
 import ray
 from ray.exceptions import RayActorError
 
-from dew.objectives.rl import EnvironmentSource
-from dew.records.sessions import Session, SessionSource, Status, Task
+from dew.collection.sources import EnvironmentSource
+from dew.records.session_records import Session, SessionSource, Status, Task
 from dew_ray.actors._pool import LeastBusy
-from dew_ray.actors.rollout import RemoteRolloutServer, ServerPool
+from dew_ray.actors.rollout_server_actor import RemoteRolloutServer, ServerPool
 from dew.validation import positive_int
 
 

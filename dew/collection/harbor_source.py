@@ -1,7 +1,7 @@
 """HarborSource: each sample one Harbor trial whose harness calls the policy through a recording gateway.
 
 ``HarborSource(Gateway(url, sandbox_url=...), harbor=..., model=..., trials=N)`` is a
-:class:`~dew.records.sessions.SessionSource`. For each sample it opens a gateway session,
+:class:`~dew.records.session_records.SessionSource`. For each sample it opens a gateway session,
 runs ``harbor(trial)`` on one of ``trials`` worker threads, where the :class:`Trial`
 carries the task, the session id, the harness's OpenAI base URL
 (``{sandbox_url}/sessions/{session}/v1``) and the served model name, then reads the
@@ -9,7 +9,7 @@ session's calls back from the gateway's traces and deletes them there. ``harbor`
 :class:`HarborCLI` (Harbor's own ``harbor trials start``) or any callable that runs a
 harness the same way and returns a :class:`TrialOutcome`.
 
-Each trace becomes a :class:`~dew.records.sessions.Call` with the exact ids the engine
+Each trace becomes a :class:`~dew.records.session_records.Call` with the exact ids the engine
 read and sampled (``prompt_token_ids``, ``completion_token_ids``: rllm-model-gateway asks
 every call for ``return_token_ids`` and ``logprobs``) and the engine's behaviour
 log-probabilities, checked by the one action validator (``check_call``); its version is
@@ -43,7 +43,7 @@ from typing import Any
 
 from dew.inference.gateway import Gateway
 from dew.records.actions import check_call
-from dew.records.sessions import Call, Session, SessionSource, Status, Task
+from dew.records.session_records import Call, Session, SessionSource, Status, Task
 from dew.validation import positive_int
 
 OUTCOMES = {"completed": Status.COMPLETED, "agent_error": Status.AGENT_ERROR, "truncated": Status.TRUNCATED,

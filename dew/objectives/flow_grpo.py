@@ -2,7 +2,7 @@
 
 ``FlowGRPOObjective(model, process, inputs, guidance=None, beta=0.0, steps=10, sampler="ode",
 clip_range=1e-4, advantage_clip=5.0, metrics=(), pretrained=None)`` trains on the batches
-:class:`~dew.collection.flow.FlowRollout` builds: for each sample row and each selected
+:class:`~dew.collection.flow_rollout.FlowRollout` builds: for each sample row and each selected
 transition k, the state x_k at time t_k, the state x_{k+1} the sampler drew, sigma_t, the
 per-coordinate log density the sampling policy gave that draw, the row's group advantage and a
 0/1 transition mask (cleared for deterministic transitions and zero-advantage rows).
@@ -10,7 +10,7 @@ per-coordinate log density the sampling policy gave that draw, the row's group a
 The loss follows the released trainer (yifan123/flow_grpo 54809b5, scripts/train_sd3.py):
 
 - the log density of x_{k+1} under the live policy's Gaussian transition, averaged over
-  coordinates (:mod:`dew.losses.flow`), against the recorded one: a per-coordinate ratio;
+  coordinates (:mod:`dew.losses.flow_sde`), against the recorded one: a per-coordinate ratio;
 - the clipped surrogate of :func:`dew.losses.policy.ppo_surrogate` (``clip_range`` both ways, no
   dual clip) on advantages clipped to +-``advantage_clip``, averaged over the masked
   transitions ("token-mean" of :func:`~dew.losses.policy.aggregate`);
@@ -36,7 +36,7 @@ import numpy as np
 
 from dew.flow.inputs import InputSpec
 from dew.flow.process import Process
-from dew.losses.flow import coordinate_mean, gaussian_log_density, sde_transition, transition_kl
+from dew.losses.flow_sde import coordinate_mean, gaussian_log_density, sde_transition, transition_kl
 from dew.losses.policy import aggregate, ppo_surrogate
 from dew.objectives.diffusion import FlowModel, batch_rows
 from dew.validation import number
