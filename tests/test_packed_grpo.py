@@ -142,3 +142,37 @@ def test_sampling_temperature_scores_over_the_recorded_support(decoder):
         restricted = row[sampled] - np.log(np.exp(row[kept] - row[kept].max()).sum()) - row[kept].max()
         np.testing.assert_allclose(without[0, column], full, atol=1e-5)
         np.testing.assert_allclose(with_support[0, column], restricted, atol=1e-5)
+
+
+def test_a_registered_policy_loss_trains_without_editing_the_objective(decoder):
+    """A surrogate registered by name (verl's register_policy_loss) is what GRPOObjective(policy_loss=name) runs."""
+    from dew.losses.policy import POLICY_LOSSES, register_policy_loss
+
+    @register_policy_loss("reinforce-test")
+    def reinforce(inputs):  # plain REINFORCE: -A log pi, no ratio and no clip
+        return -inputs.advantages * inputs.log_probs, {"mean_log_prob": (inputs.log_probs * inputs.mask).sum()
+                                                       / inputs.mask.sum()}
+
+    try:
+        model, variables, reference = decoder
+        packed = pack(_sessions(), WIDTH)
+        objective = GRPOObjective(model, seq_len=WIDTH - 1, policy_loss="reinforce-test")
+        objective.validate(packed)
+        (loss, metrics), grads = jax.jit(jax.value_and_grad(
+            lambda params: objective.loss(params, reference, packed, None), has_aux=True))(variables)
+        # Token-mean of -A log pi over the 17 sampled ids, from the objective's own per-id scores.
+        current = np.asarray(objective.packed_log_probs(variables, packed))[:, 1:]
+        mask = packed["response_mask"][:, 1:] != 0
+        expected = -(packed["advantages"][:, 1:] * current)[mask].sum() / mask.sum()
+        np.testing.assert_allclose(loss, expected, rtol=1e-5)
+        np.testing.assert_allclose(metrics["policy/mean_log_prob"], current[mask].mean(), rtol=1e-5)
+        assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4
+        # the name is taken now: another function under it, or under "ppo", is refused by name
+        with pytest.raises(ValueError, match="'reinforce-test' is already registered"):
+            register_policy_loss("reinforce-test")(lambda inputs: None)
+        with pytest.raises(ValueError, match="'ppo' is already registered"):
+            register_policy_loss("ppo")(reinforce)
+    finally:
+        POLICY_LOSSES.pop("reinforce-test", None)
+    with pytest.raises(ValueError, match=r"registered surrogates \['cispo', 'gspo', 'ppo'\], got 'reinforce-test'"):
+        GRPOObjective(model, seq_len=WIDTH - 1, policy_loss="reinforce-test")

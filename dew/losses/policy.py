@@ -5,7 +5,14 @@ checked against its reference on fixed tensors. Everything follows verl 0.9.1
 (verl/trainer/ppo/core_algos.py and verl/trainer/ppo/rollout_corr_helper.py) formula for
 formula, clamps and epsilons included; tools/parity_agentic.py and tools/parity_behavior.py
 record verl's outputs and tests/test_agentic_losses.py, tests/test_behavior_losses.py compare
-at 1e-6. Value losses for PPO's critic belong beside these.
+at 1e-6. PPO's critic loss is :mod:`dew.losses.value_loss`.
+
+The surrogates an objective chooses by name ("ppo", "gspo", "cispo", and any a user adds)
+are registered in :data:`POLICY_LOSSES`, as verl's ``register_policy_loss``
+(``trainer/ppo/core_algos.py``): ``@register_policy_loss("name")`` on a function of one
+:class:`SurrogateInputs` that returns the [rows, width] loss matrix before aggregation and
+a metrics dict, and ``GRPOObjective(policy_loss="name")`` uses it
+without an edit to the objective.
 
 Token arrays are [rows, width]; ``mask`` is a 0/1 float [rows, width]. A packed row holds
 several chains, so per-sequence reductions take ``segments`` (int [rows, width], the chain
@@ -21,7 +28,9 @@ there; here it gives 0 and a zero gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -208,6 +217,80 @@ def cispo_surrogate(
     metrics = {"clipfrac": _masked_mean((ratio != clipped).astype(jnp.float32), mask),
                "ppo_kl": _masked_mean(-log_ratio, mask), "clipfrac_lower": jnp.zeros((), jnp.float32)}
     return losses, jax.lax.stop_gradient(metrics)
+
+
+@dataclasses.dataclass(frozen=True)
+class SurrogateInputs:
+    """What the objective hands every registered surrogate (inside the compiled loss).
+
+    log_probs: [rows, width] float32 under the policy being trained; old_log_probs: the old
+    policy's (behaviour's, in verl's bypass mode); advantages, mask: [rows, width] (mask 0/1);
+    segments: int [rows, width], each token's chain id, with the static ``num_segments``;
+    epsilon_low, epsilon_high: the clip range; dual_clip: the dual-clip bound or None.
+    A surrogate uses what it needs and ignores the rest.
+    """
+
+    log_probs: jax.Array
+    old_log_probs: jax.Array
+    advantages: jax.Array
+    mask: jax.Array
+    segments: jax.Array
+    num_segments: int
+    epsilon_low: float
+    epsilon_high: float
+    dual_clip: float | None
+
+
+PolicyLoss = Callable[[SurrogateInputs], tuple[jax.Array, dict[str, jax.Array]]]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register a surrogate under ``name`` (a decorator; see the module docstring).
+
+    A name is registered once: a second function under a taken name raises ValueError
+    naming it, so a plug-in cannot silently replace "ppo".
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a policy loss is registered under a non-empty name, got {name!r}")
+
+    def decorator(function: PolicyLoss) -> PolicyLoss:
+        if not callable(function):
+            raise TypeError(f"policy loss {name!r} must be callable on SurrogateInputs, got {function!r}")
+        taken = POLICY_LOSSES.get(name)
+        if taken is not None and taken is not function:
+            raise ValueError(f"policy loss {name!r} is already registered ({taken.__module__}.{taken.__qualname__}); "
+                             "register yours under another name")
+        POLICY_LOSSES[name] = function
+        return function
+
+    return decorator
+
+
+def policy_loss_fn(name: str) -> PolicyLoss:
+    """The surrogate registered under ``name``; ValueError naming the registered ones otherwise."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss must be one of the registered surrogates {sorted(POLICY_LOSSES)}, got "
+                         f"{name!r}; add one with dew.losses.policy.register_policy_loss")
+    return POLICY_LOSSES[name]
+
+
+@register_policy_loss("ppo")
+def _ppo(inputs: SurrogateInputs):
+    return ppo_surrogate(inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask,
+                         inputs.epsilon_low, inputs.epsilon_high, inputs.dual_clip)
+
+
+@register_policy_loss("gspo")
+def _gspo(inputs: SurrogateInputs):
+    return gspo_surrogate(inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask, inputs.segments,
+                          inputs.num_segments, inputs.epsilon_low, inputs.epsilon_high)
+
+
+@register_policy_loss("cispo")
+def _cispo(inputs: SurrogateInputs):
+    return cispo_surrogate(inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask,
+                           inputs.epsilon_low, inputs.epsilon_high)
 
 
 def k3_kl(log_probs: jax.Array, ref_log_probs: jax.Array) -> jax.Array:

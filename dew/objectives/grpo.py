@@ -8,7 +8,8 @@ likelihoods) and ``support_ids``/``support_columns``. Each id is scored against 
 chain's prefix (:meth:`GRPOObjective.packed_log_probs`).
 
 The policy term is a clipped ratio between the current and the old raw policy
-(``policy_loss`` "ppo", "gspo" or "cispo"), reduced by ``aggregation`` ("token-mean"
+(``policy_loss``: "ppo", "gspo", "cispo" or any surrogate registered with
+:func:`dew.losses.policy.register_policy_loss`), reduced by ``aggregation`` ("token-mean"
 or "session-mean"). With ``beta > 0`` a k3 KL to the frozen starting policy (kept in
 the EMA slot, decay 1) is added with the same reduction; with ``beta == 0`` no
 reference is kept.
@@ -61,7 +62,6 @@ from dew.losses import policy as losses
 from dew.losses.policy import AGGREGATIONS
 from dew.validation import band, integer, number, one_of, positive
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
 REQUIRED = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "behavior_log_probs", "advantages")
 INTEGER = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "lags")
 _UNSET = object()
@@ -108,7 +108,8 @@ class GRPOObjective(Objective):
         self.epsilon_low = number("epsilon_low", epsilon_low, at_least=0, at_most=1)
         self.epsilon_high = number("epsilon_high", epsilon_high, at_least=0)
         self.dual_clip = None if dual_clip is None else number("dual_clip", dual_clip, above=1)
-        self.policy_loss = one_of("policy_loss", policy_loss, POLICY_LOSSES)
+        self.policy_loss = policy_loss
+        self._surrogate = losses.policy_loss_fn(policy_loss)
         self.aggregation = one_of("aggregation", aggregation, AGGREGATIONS)
         if isinstance(behavior_importance, (tuple, list)):
             self.behavior_importance = band("behavior_importance", behavior_importance, strict=True)
@@ -257,18 +258,8 @@ class GRPOObjective(Objective):
                 removed(name, keep)
                 mask = mask * keep
 
-        if self.policy_loss == "ppo":
-            per_token, policy_metrics = losses.ppo_surrogate(
-                current, old, advantages, mask, self.epsilon_low, self.epsilon_high, self.dual_clip
-            )
-        elif self.policy_loss == "gspo":
-            per_token, policy_metrics = losses.gspo_surrogate(
-                current, old, advantages, mask, chain_ids, chains, self.epsilon_low, self.epsilon_high
-            )
-        else:
-            per_token, policy_metrics = losses.cispo_surrogate(
-                current, old, advantages, mask, self.epsilon_low, self.epsilon_high
-            )
+        per_token, policy_metrics = self._surrogate(losses.SurrogateInputs(
+            current, old, advantages, mask, chain_ids, chains, self.epsilon_low, self.epsilon_high, self.dual_clip))
         metrics.update({f"policy/{k}": v for k, v in policy_metrics.items()})
         segments = segment_count = None
         if self.aggregation == "session-mean":
