@@ -1,9 +1,12 @@
 """The Trainer: one compiled update per batch shape, for every objective.
 
 ``Trainer(objective, optimizer, key=...)`` drives any objective that follows
-:mod:`dew.objectives.base`. ``fit(data, steps, log_every)`` runs the loop;
-``initial_state()``, ``step(state, batch)``, ``evaluate(state, data)``, ``save`` and
-``restore`` let an actor or a notebook drive training one batch at a time.
+:mod:`dew.objectives.base`. ``fit(data, steps, log_every)`` runs the loop. The loop is
+:meth:`Trainer.start`, public for an actor or a notebook that drives training one batch at
+a time: ``run = trainer.start(data)`` restores the newest checkpoint of ``output_dir`` (state
+and data position) or starts afresh, ``run.step()`` consumes the next batch, ``run.save()``
+checkpoints, ``run.close()`` releases the checkpoint files. Below it, ``initial_state()``,
+``step(state, batch)``, ``evaluate(state, data)``, ``save`` and ``restore`` work on states.
 
 What a step does, on the host and then compiled:
 
@@ -321,6 +324,11 @@ class Trainer:
 
     # ----- the loop --------------------------------------------------------------------------
 
+    def start(self, data: Dataset, partition: Partition | None = None) -> TrainingRun:
+        """A run over ``data``'s training stream: the newest checkpoint of ``output_dir`` (state and data position)
+        when there is one, the initial state otherwise. ``fit`` drives one; close it when done."""
+        return TrainingRun(self, data, partition)
+
     def fit(
         self,
         data: Dataset,
@@ -339,41 +347,85 @@ class Trainer:
             positive_int(f"{name}", value)
         if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
             raise ValueError(f"eval_every must be a positive integer or None, got {eval_every!r}")
-        partition = local_partition()
-        stream = TrainStream(data, partition)
-        checkpoints = None if self.output_dir is None else Checkpoints(self.output_dir, keep=self.keep_checkpoints)
-        if checkpoints is not None and checkpoints.latest_step() is not None:
-            state, position = self._restore_from(checkpoints)
-            stream.restore(position)
-            log.info("restored step %d from %s", int(state.step), self.output_dir)
+        with self.start(data) as run:
+            step = run.steps
+            tracker = Tracker(
+                total=steps, start=step, output_dir=self.output_dir, enabled=run.partition.index == 0,
+                progress=self.progress, trackers=self.trackers,
+            )
+            try:
+                while step < steps:
+                    metrics = run.step()
+                    step += 1
+                    tracker.advance(metrics.get("loss"))
+                    if step % log_every == 0 or step == steps:
+                        tracker.log("train", step, {"updates": int(run.state.updates), **metrics})
+                    if eval_every is not None and data.val is not None and step % eval_every == 0:
+                        tracker.log("val", step, self.evaluate(run.state, data, run.partition))
+                    if self.output_dir is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
+                        run.save()
+                if self.output_dir is not None:
+                    run.save()
+            finally:
+                tracker.close()
+            return run.state
+
+
+class TrainingRun:
+    """One run of a Trainer over a Dataset's training stream (``Trainer.start``; see the module docstring).
+
+    state: the current TrainState; steps: batches consumed (``state.step``); restored: whether
+    the run resumed a checkpoint; stream: the training stream, positioned after the batches
+    the state consumed. On several processes every process drives its own run in step.
+    """
+
+    def __init__(self, trainer: Trainer, data: Dataset, partition: Partition | None = None):
+        if not isinstance(data, Dataset):
+            raise TypeError(f"a training run needs a dew.Dataset, got {type(data).__name__}")
+        self.trainer, self.data = trainer, data
+        self.partition = partition or local_partition()
+        self.stream = TrainStream(data, self.partition)
+        self._checkpoints = None
+        if trainer.output_dir is not None:
+            self._checkpoints = Checkpoints(trainer.output_dir, keep=trainer.keep_checkpoints)
+        self.restored = self._checkpoints is not None and self._checkpoints.latest_step() is not None
+        if self.restored:
+            self.state, position = trainer._restore_from(self._checkpoints)
+            self.stream.restore(position)
+            log.info("restored step %d from %s", int(self.state.step), trainer.output_dir)
         else:
-            state = self.initial_state()
-        step = int(state.step)
-        tracker = Tracker(
-            total=steps, start=step, output_dir=self.output_dir, enabled=partition.index == 0, progress=self.progress,
-            trackers=self.trackers,
-        )
-        try:
-            while step < steps:
-                batch = next(stream)
-                if data.batch is not None:
-                    _check_rows(batch, data.batch, partition)
-                state, metrics = self.step(state, batch)
-                step += 1
-                tracker.advance(metrics.get("loss"))
-                if step % log_every == 0 or step == steps:
-                    tracker.log("train", step, {"updates": int(state.updates), **metrics})
-                if eval_every is not None and data.val is not None and step % eval_every == 0:
-                    tracker.log("val", step, self.evaluate(state, data, partition))
-                if checkpoints is not None and self.checkpoint_every and step % self.checkpoint_every == 0:
-                    checkpoints.save(step, self._plain(state), stream.position())
-            if checkpoints is not None:
-                checkpoints.save(step, self._plain(state), stream.position())
-        finally:
-            tracker.close()
-            if checkpoints is not None:
-                checkpoints.close()
-        return state
+            self.state = trainer.initial_state()
+
+    @property
+    def steps(self) -> int:
+        return int(self.state.step)
+
+    def step(self) -> dict[str, float]:
+        """Consume the next batch of the stream (``Trainer.step``); returns its metrics."""
+        batch = next(self.stream)
+        if self.data.batch is not None:
+            _check_rows(batch, self.data.batch, self.partition)
+        self.state, metrics = self.trainer.step(self.state, batch)
+        return metrics
+
+    def save(self) -> int:
+        """Checkpoint the state and the data position into the Trainer's output_dir; returns the step."""
+        if self._checkpoints is None:
+            raise ValueError("the Trainer has no output_dir to save checkpoints in")
+        step = self.steps
+        self._checkpoints.save(step, self.trainer._plain(self.state), self.stream.position())
+        return step
+
+    def close(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+            self._checkpoints = None
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _as_key(key) -> jax.Array:

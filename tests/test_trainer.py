@@ -187,6 +187,32 @@ def test_step_wise_api_with_save_and_restore(tiny_model, tmp_path):
     assert np.array_equal(jax.random.key_data(restored.key), jax.random.key_data(state.key))
 
 
+def test_a_training_run_is_fits_loop_one_batch_at_a_time(tiny_model, tmp_path):
+    """Trainer.start: restore-or-start over the stream, step, save; what fit runs and an actor drives."""
+
+    def trainer(output_dir=None):
+        return Trainer(objective(tiny_model), optax.adam(1e-2), key=jax.random.key(0), output_dir=output_dir,
+                       progress=False)
+
+    reference = trainer().fit(changing(), steps=5, log_every=5)
+    with trainer(tmp_path).start(changing()) as run:
+        assert not run.restored and run.steps == 0
+        for _ in range(3):
+            assert set(run.step()) == {"loss", "target_tokens"}
+        assert run.save() == 3
+    with trainer(tmp_path).start(changing()) as run:  # resumes at the checkpoint, stream position included
+        assert run.restored and run.steps == 3 and run.stream.consumed == 3
+        run.step()
+        run.step()
+        assert run.steps == 5 and leaves_equal(run.state.params, reference.params)
+    resumed = trainer(tmp_path).fit(changing(), steps=5, log_every=5)  # fit restores the same run's checkpoint
+    assert leaves_equal(resumed.params, reference.params)
+    with trainer().start(changing()) as run, pytest.raises(ValueError, match="no output_dir to save checkpoints"):
+        run.save()
+    with pytest.raises(TypeError, match="a training run needs a dew.Dataset"):
+        trainer().start([random_rows(4)])
+
+
 def test_bad_inputs_to_fit_raise(tiny_model):
     trainer = Trainer(objective(tiny_model), optax.adam(1e-2), key=jax.random.key(0), progress=False)
     with pytest.raises(ValueError, match="yielded 4 rows on each of 1 process\\(es\\), but Dataset.batch is 8"):

@@ -7,10 +7,11 @@ rollouts are rescored under this process's weights and the data position stays t
 trainer's), the Dataset, and what to close at the end. ``build`` must be picklable (a
 module-level function or a ``functools.partial`` of one) since it travels to the actor.
 
-A host is driven step by step: ``start()`` builds the job and the state (restoring the
-newest checkpoint of the Trainer's ``output_dir`` when there is one), ``step(n)`` consumes
-n batches and returns their metrics, ``snapshot()`` returns the parameters in host
-memory, ``save()`` writes a checkpoint with the data position, ``close()`` releases it.
+A host is driven step by step over the Trainer's own run (:meth:`dew.trainer.Trainer.start`):
+``start()`` builds the job and starts the run (restoring the newest checkpoint of the
+Trainer's ``output_dir`` when there is one), ``step(n)`` consumes n batches and returns
+their metrics, ``snapshot()`` returns the parameters in host memory, ``save()`` writes a
+checkpoint with the data position, ``close()`` releases it.
 
 A group of N hosts forms one multi-process JAX job (:func:`start_trainer_group`): the
 first actor picks the coordinator address on its node, every actor joins with
@@ -30,10 +31,9 @@ import jax
 import numpy as np
 import ray
 
-from dew.checkpoint import Checkpoints
-from dew.data.dataset import Dataset, TrainStream
-from dew.sharding import initialize_processes, local_partition
-from dew.trainer import Trainer, TrainState
+from dew.data.dataset import Dataset
+from dew.sharding import initialize_processes
+from dew.trainer import Trainer, TrainingRun, TrainState
 from dew.validation import positive_int
 
 
@@ -68,8 +68,7 @@ class TrainerHost:
             raise TypeError(f"build must be a callable returning a TrainJob, got {build!r}")
         self.build = build
         self.job: TrainJob | None = None
-        self.state: TrainState | None = None
-        self.stream: TrainStream | None = None
+        self.run: TrainingRun | None = None
 
     def coordinator(self) -> str:
         """An address (this node's IP and a free port) for the group's JAX coordinator."""
@@ -93,42 +92,21 @@ class TrainerHost:
         if not isinstance(job, TrainJob):
             raise TypeError(f"build() must return a dew_ray TrainJob, got {type(job).__name__}")
         self.job = job
-        self.stream = TrainStream(job.data, local_partition())
-        trainer = job.trainer
-        restored = False
-        if trainer.output_dir is not None:
-            checkpoints = Checkpoints(trainer.output_dir, keep=trainer.keep_checkpoints)
-            try:
-                if checkpoints.latest_step() is not None:
-                    state, position = trainer._restore_from(checkpoints)
-                    self.stream.restore(position)
-                    self.state, restored = state, True
-            finally:
-                checkpoints.close()
-        if self.state is None:
-            self.state = trainer.initial_state()
-        return {**self.progress(), "restored": restored, "process": jax.process_index(),
+        self.run = job.trainer.start(job.data)
+        return {**self.progress(), "restored": self.run.restored, "process": jax.process_index(),
                 "processes": jax.process_count(), "devices": jax.device_count()}
 
     def progress(self) -> dict:
-        state = self._started()
-        return {"step": int(state.step), "updates": int(state.updates)}
+        run = self._started()
+        return {"step": run.steps, "updates": int(run.state.updates)}
 
     def step(self, count: int = 1) -> list[dict]:
         """Consume ``count`` batches; one metrics dict per batch (with ``step`` and ``updates``)."""
-        state = self._started()
-        trainer, data = self.job.trainer, self.job.data
+        run = self._started()
         out = []
         for _ in range(count):
-            batch = next(self.stream)
-            if data.batch is not None:
-                rows = len(next(iter(batch.values())))
-                if rows * jax.process_count() != data.batch:
-                    raise ValueError(f"the training stream yielded {rows} rows on each of {jax.process_count()} "
-                                     f"process(es), but Dataset.batch is {data.batch}")
-            state, metrics = trainer.step(state, batch)
-            self.state = state
-            row = {"step": int(state.step), "updates": int(state.updates), **metrics}
+            metrics = run.step()
+            row = {"step": run.steps, "updates": int(run.state.updates), **metrics}
             if self.job.report is not None:
                 row["report"] = self.job.report()
             out.append(row)
@@ -136,27 +114,24 @@ class TrainerHost:
 
     def snapshot(self):
         """The current parameters in host memory (numpy), e.g. for publication or export."""
-        return host_params(self._started())
+        return host_params(self._started().state)
 
     def save(self) -> int:
         """Checkpoint the state and data position into the Trainer's output_dir; returns the step."""
-        state = self._started()
-        trainer = self.job.trainer
-        if trainer.output_dir is None:
-            raise ValueError("the Trainer has no output_dir to save checkpoints in")
-        trainer.save(state, trainer.output_dir, self.stream.position())
-        return int(state.step)
+        return self._started().save()
 
     def close(self) -> None:
+        if self.run is not None:
+            self.run.close()
         if self.job is not None and self.job.close is not None:
             self.job.close()
         if jax.process_count() > 1:
             jax.distributed.shutdown()
 
-    def _started(self) -> TrainState:
-        if self.state is None:
+    def _started(self) -> TrainingRun:
+        if self.run is None:
             raise RuntimeError("call start() before driving the trainer")
-        return self.state
+        return self.run
 
 
 TrainerActor = ray.remote(TrainerHost)
