@@ -47,14 +47,22 @@ from dew.collection.scheduler import SchedulerRecord
 from dew.data import Loading
 from dew.data.verifiable import VerifiableTask, shared_prompts, task_rows, task_tokenizer
 from dew.inference import NativeRolloutServer, Server
-from dew.recipes import rlvr
+from dew.recipes import rlvr_recipe
 from dew.recipes.reward_routing import verifiable_reward
 from dew.sampling import Sampling
-from dew.recipes.rlvr_recipe import RUNNERS, SANDBOX_LIMITS, built_in_tasks, decoder, grpo_job, measure_reward, sandbox_runner
+from dew.recipes.rlvr_recipe import (
+    RUNNERS,
+    SANDBOX_LIMITS,
+    built_in_tasks,
+    decoder,
+    grpo_job,
+    measure_reward,
+    sandbox_runner,
+)
 from dew.sandbox import SandboxFleet
 
 
-class RLVRConfig(rlvr.RLVRConfig):
+class RLVRConfig(rlvr_recipe.RLVRConfig):
     """The built-in run's options (:class:`dew.recipes.rlvr_recipe.RLVRConfig`) and where this run writes.
 
     output_dir: where metrics, checkpoints and result.json go (None: nowhere).
@@ -162,7 +170,7 @@ def warm_start(config: RLVRConfig, output_dir: Path | None = None) -> WarmStart:
     prompt_len = max(len(tokenizer.encode(t.prompt, add_special_tokens=False)) for t in train + held_out)
     width = prompt_len + config.max_new_tokens  # one chain: the prompt, then the response
     model = decoder(len(tokenizer), max_seq_len=width)
-    params = rlvr.warm_start(model, tokenizer, train, width, config.sft_steps, config.sft_batch,
+    params = rlvr_recipe.warm_start(model, tokenizer, train, width, config.sft_steps, config.sft_batch,
                              config.sft_learning_rate, key=jax.random.fold_in(jax.random.key(config.seed), 1),
                              seed=config.seed, output_dir=output_dir, progress=config.progress,
                              errors=config.sft_errors)

@@ -353,3 +353,39 @@ def test_the_rollout_path_settles_every_draw_once_under_load(cluster):
     result = load.rollout_load(load.sharp_task(), draws=48, servers=2, slots=4)
     assert (result["lost"], result["lost_examples"], result["wrong"]) == (0, [], 0)
     assert (result["settled_twice"], result["unsettled"]) == (0, 0)
+
+
+def test_keyed_calls_cancel_a_call_before_it_arrives_and_forget_old_cancels():
+    """Ray does not order an actor's calls: a cancel may come first, and the call then returns cancelled at once."""
+    from concurrent.futures import Future
+
+    from dew_ray.actors.keyed_calls import KeyedCalls
+
+    stopped = []
+    calls = KeyedCalls(stopped.append, remembered=2)
+    started = []
+
+    def start():
+        started.append(Future())
+        return started[-1]
+
+    async def scenario():
+        calls.cancel("early")  # before its call
+        assert await calls.run("early", start, lambda: "cancelled") == "cancelled" and not started
+        running = asyncio.ensure_future(calls.run("late", start, lambda: "cancelled"))
+        await asyncio.sleep(0)
+        assert len(calls) == 1
+        calls.cancel("late")  # a started call: its future is stopped, and its answer still comes back
+        assert stopped == [started[0]]
+        started[0].set_result("answer")
+        assert await running == "answer" and len(calls) == 0
+        for key in ("a", "b", "c"):  # at most two remembered: the oldest cancel is forgotten
+            calls.cancel(key)
+        assert await calls.run("c", start, lambda: "cancelled") == "cancelled"
+        forgotten = asyncio.ensure_future(calls.run("a", start, lambda: "cancelled"))
+        await asyncio.sleep(0)
+        assert len(started) == 2  # "a" started: its cancel was forgotten
+        started[1].set_result("ran")
+        assert await forgotten == "ran"
+
+    asyncio.run(scenario())

@@ -177,7 +177,7 @@ def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(
     try:
         with RLVRPipeline(tiny(run, engine="vllm", steps=4)) as pipeline:
             pipeline.start()
-            engine = pipeline._actors[0]
+            engine = pipeline.actors.servers[0]
             assert ray.get(engine.healthy.remote())
             group = ray.get(engine.process_group.remote())
             assert len(processes.group_processes(group)) >= 3  # the guard, vLLM's API server, its engine core and worker

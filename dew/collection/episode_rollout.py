@@ -186,7 +186,7 @@ class EpisodeRollout:
 
     def __call__(self, batch, variables, version: int, key: jax.Array, step: int | None = None
                  ) -> dict[str, np.ndarray] | None:
-        records, binding = self._collect(batch, variables, version, key, step)
+        records, binding, _ = self._collect(batch, variables, version, key, step)
         return self._project(records, binding)
 
     def collect(self, batch, variables, version: int, key: jax.Array, step: int | None = None
@@ -197,10 +197,11 @@ class EpisodeRollout:
         return self._collect(batch, variables, version, key, step)[0]
 
     def gather(self, batch, variables, version: int, key: jax.Array, step: int | None = None
-               ) -> tuple[list[EpisodeRecord], dict[str, np.ndarray] | None]:
-        """``collect`` and its projection at once: (records, batch or None), for a rollout that adds targets."""
-        records, binding = self._collect(batch, variables, version, key, step)
-        return records, self._project(records, binding)
+               ) -> tuple[list[EpisodeRecord], dict[str, np.ndarray] | None, object]:
+        """``collect`` and its projection at once, for a rollout that adds targets: (records, batch or None, the
+        host copy of ``variables`` the policy was bound to, which that rollout reads instead of gathering again)."""
+        records, binding, host = self._collect(batch, variables, version, key, step)
+        return records, self._project(records, binding), host
 
     def project(self, records: list[EpisodeRecord]) -> dict[str, np.ndarray] | None:
         """The packed GRPO batch of one collection's records (this process's rows); None when no rank has a
@@ -210,7 +211,7 @@ class EpisodeRollout:
         return self._project(records, records[0].origin)
 
     def _collect(self, batch, variables, version: int, key: jax.Array, step: int | None
-                 ) -> tuple[list[EpisodeRecord], Binding]:
+                 ) -> tuple[list[EpisodeRecord], Binding, object]:
         tasks = _task_ids(batch)
         version = integer("version", version, at_least=0)
         attempted = version if step is None else integer("step", step, at_least=version)
@@ -263,7 +264,7 @@ class EpisodeRollout:
         if self.journal is not None:
             self.journal.finish()
         self._report(records)
-        return records, binding
+        return records, binding, host
 
     # ----- the phases: each ends in a meeting of every rank ----------------------------------------
 

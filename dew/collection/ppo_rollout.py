@@ -24,7 +24,7 @@ import numpy as np
 
 from dew.collection.episode_rollout import EpisodeRollout
 from dew.losses.gae import gae, masked_whiten
-from dew.sharding import collective_host, exchange
+from dew.sharding import exchange
 from dew.validation import number
 
 
@@ -45,7 +45,7 @@ class PPORollout:
         self.metrics: dict[str, float] = {}
 
     def __call__(self, batch, variables, version: int, key: jax.Array, step: int | None = None):
-        records, packed = self.episodes.gather(batch, variables, version, key, step)
+        records, packed, host = self.episodes.gather(batch, variables, version, key, step)
         mask = None if packed is None else np.asarray(packed["response_mask"]) != 0
         tokens = 0 if mask is None else int(mask.sum())
         if jax.process_count() > 1:
@@ -55,7 +55,7 @@ class PPORollout:
         if tokens == 1:
             raise ValueError("the cohort has exactly one trainable action token; whitening its advantage is undefined "
                              "(collect more episodes or longer responses)")
-        critic = collective_host(variables)["critic"]
+        critic = host["critic"]  # the copy the episodes' policy was bound to: one gather per collection
         old_values = np.asarray(self._values(critic, {k: jnp.asarray(packed[k]) for k in
                                                       ("input_ids", "text_segment_ids", "text_positions")}))
         if not np.isfinite(old_values[mask]).all():

@@ -16,9 +16,10 @@ file (Parquet, JSONL, or a ``datasets`` directory saved with ``save_to_disk``):
 Unlike :class:`~dew.recipes.stage_chain.Recipe`, these runs hold the tokenizer, so a GRPO reward
 reads decoded text and the tokenizer's EOS ends a completion.
 
-:class:`StageOptions` are one stage's fields; :class:`StageRun` adds the model, output
-directory, batch, learning rate and seed of a one-stage command; the Ray chain's
-:class:`~dew_ray.pipelines.chain.ChainConfig` holds a list of :class:`StageSpec`.
+:class:`StageOptions` are one stage's fields; :class:`ModelOptions` the model, tokenizer,
+batch, learning rate and seed every run on a model directory has; :class:`StageRun` is both
+with an output directory (a one-stage command); the Ray chain's
+:class:`~dew_ray.pipelines.chain.ChainConfig` is ModelOptions with a list of :class:`StageSpec`.
 :func:`run_stage` trains a StageRun in this process and writes ``<output_dir>/<kind>/``
 (checkpoints and ``metrics.jsonl``; a rerun restores and trains on to ``steps``) and
 ``<output_dir>/policy/`` (the final policy as Hugging Face safetensors with the tokenizer).
@@ -79,21 +80,27 @@ class StageSpec(StageOptions):
     kind: KIND
 
 
-class StageRun(StageOptions, TrackerOptions):
-    """``dew-ray sft|dpo|grpo``: one stage on a model directory.
-
-    model: the Hugging Face model directory; tokenizer: its tokenizer (default: the model
-    directory's); output_dir: where checkpoints, metrics and the final policy go;
-    trackers, wandb_project, wandb_mode: TensorBoard and W&B beside ``metrics.jsonl``
-    (:class:`dew.experiment_trackers.TrackerOptions`), in ``<output_dir>/<kind>/``.
-    """
+class ModelOptions(Config):
+    """The model a run trains and how: model, the Hugging Face model directory; tokenizer, its
+    tokenizer (default: the model directory's); batch, rows per batch; learning_rate, AdamW's;
+    seed, the run's key."""
 
     model: str
     tokenizer: str | None = None
-    output_dir: str = "runs/stage"
     batch: int = Field(default=8, ge=1)
     learning_rate: float = Field(default=1e-5, gt=0)
     seed: int = 0
+
+
+class StageRun(ModelOptions, StageOptions, TrackerOptions):
+    """``dew-ray sft|dpo|grpo``: one stage on a model directory (:class:`ModelOptions`).
+
+    output_dir: where checkpoints, metrics and the final policy go; trackers,
+    wandb_project, wandb_mode: TensorBoard and W&B beside ``metrics.jsonl``
+    (:class:`dew.experiment_trackers.TrackerOptions`), in ``<output_dir>/<kind>/``.
+    """
+
+    output_dir: str = "runs/stage"
 
 
 def load_reward(name: str | None) -> Callable[[str, str, str, str], float]:

@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError
 from dew.collection.sources import EnvironmentSource
 from dew.records.session_records import Session, SessionSource, Status, Task
 from dew_ray.actors._pool import LeastBusy
+from dew_ray.actors.keyed_calls import KeyedCalls
 from dew_ray.actors.rollout_server_actor import RemoteRolloutServer, ServerPool
 from dew.validation import positive_int
 
@@ -46,28 +47,18 @@ class EnvironmentWorkerHost:
                  server_timeout: float | None = None, **options):
         self.pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers], timeout=server_timeout)
         self.source = EnvironmentSource(self.pool, environment, verifier, **options)
-        self._sessions: dict[str, Future] = {}
-        self._cancelled: set[str] = set()
+        self._sessions = KeyedCalls(self.source.cancel)
 
     async def run(self, key: str, task: Task, group: int, sample: int) -> Session:
         """Run one session (sample ``sample`` of ``group``) and return it; ``key`` names it for ``cancel``."""
-        if key in self._cancelled:
-            self._cancelled.discard(key)
-            return Session(task=task, group=group, sample=sample, attempt=0, calls=[], status=Status.CANCELLED,
-                           detail="cancelled before it started")
-        (future,) = self.source.submit(task, group, 1, first_sample=sample)
-        self._sessions[key] = future
-        try:
-            return await asyncio.wrap_future(future)
-        finally:
-            self._sessions.pop(key, None)
+        return await self._sessions.run(
+            key, lambda: self.source.submit(task, group, 1, first_sample=sample)[0],
+            lambda: Session(task=task, group=group, sample=sample, attempt=0, calls=[], status=Status.CANCELLED,
+                            detail="cancelled before it started"))
 
     async def cancel(self, key: str) -> None:
-        future = self._sessions.get(key)
-        if future is None:
-            self._cancelled.add(key)
-        else:
-            self.source.cancel(future)
+        """Stop session ``key``, also one that has not arrived yet (:class:`~dew_ray.actors.keyed_calls.KeyedCalls`)."""
+        self._sessions.cancel(key)
 
     async def in_flight(self) -> int:
         return len(self._sessions)

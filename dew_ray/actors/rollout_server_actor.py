@@ -43,6 +43,7 @@ from dew.inference import (
     ServerDied,
     ServingTask,
 )
+from dew_ray.actors.keyed_calls import KeyedCalls
 from dew_ray.weight_broadcast import WeightBroadcast
 from dew.validation import positive, positive_int
 
@@ -61,8 +62,7 @@ class RolloutServerHost:
                  http: bool = False, tokenizer=None, host: str = "127.0.0.1", landing: LandingCheck | None = None):
         self.rollout = NativeRolloutServer(Server.from_task(task, slots=slots, capacity=capacity, lanes=lanes),
                                            version=version, landing=landing)
-        self._draws: dict[str, DrawFuture] = {}
-        self._cancelled: set[str] = set()
+        self._draws = KeyedCalls(self.rollout.cancel)
         # one thread: loads apply in the order they arrive, so a load that waited out a stall never lands
         # after a newer one and the served version never goes back
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="dew-server-load")
@@ -72,22 +72,13 @@ class RolloutServerHost:
 
     async def draw(self, key: str, prompt_ids: Sequence[int], max_new_tokens: int, seed: int) -> Draw:
         """Submit one draw and wait for it; ``key`` is the caller's name for it (see ``cancel``)."""
-        if key in self._cancelled:  # cancelled before it arrived
-            self._cancelled.discard(key)
-            return Draw([], [], [], eos=False, version=self.rollout.version, finish_reason="cancelled")
-        future = self.rollout.submit(prompt_ids, max_new_tokens, seed)
-        self._draws[key] = future
-        try:
-            return await asyncio.wrap_future(future)
-        finally:
-            self._draws.pop(key, None)
+        return await self._draws.run(
+            key, lambda: self.rollout.submit(prompt_ids, max_new_tokens, seed),
+            lambda: Draw([], [], [], eos=False, version=self.rollout.version, finish_reason="cancelled"))
 
     async def cancel(self, key: str) -> None:
-        future = self._draws.get(key)
-        if future is None:
-            self._cancelled.add(key)
-        else:
-            self.rollout.cancel(future)
+        """Stop draw ``key``, also one that has not arrived yet (:class:`~dew_ray.actors.keyed_calls.KeyedCalls`)."""
+        self._draws.cancel(key)
 
     async def load(self, variables, version: int) -> int:
         """Serve ``variables`` from the next decode step on; returns the version now served."""

@@ -46,7 +46,7 @@ from pydantic import Field, model_validator
 from dew.config import load_config
 from dew.experiment_trackers import MetricWriters, TrackerOptions
 from dew.models.pretrained import Pretrained
-from dew.recipes.stage_files import StageSpec, decoding, export_policy, model_tokenizer, stage_of
+from dew.recipes.stage_files import ModelOptions, StageSpec, decoding, export_policy, model_tokenizer, stage_of
 from dew.recipes.stage_chain import stage_trainer
 from dew_ray.actors import start_trainer_group, step_group
 from dew_ray.actors.trainer_actor import TrainJob
@@ -55,23 +55,18 @@ from dew_ray.pipelines.run_dirs import PreflightError, pipeline_main, resolve_ru
 __all__ = ["ChainConfig", "ChainPipeline", "main", "run"]
 
 
-class ChainConfig(TrackerOptions):
-    """A chain of stages on Ray (see the module docstring).
+class ChainConfig(ModelOptions, TrackerOptions):
+    """A chain of stages on Ray (see the module docstring): the model and optimizer settings of
+    :class:`~dew.recipes.stage_files.ModelOptions`, and
 
-    model, tokenizer: the Hugging Face model directory and its tokenizer (default: the
-    model's); trainers: processes per stage group, trainer_cpus: CPUs each reserves;
+    run_dir: the run directory; trainers: processes per stage group, trainer_cpus: CPUs each reserves;
     checkpoint_every: steps between checkpoints within a stage (and one at its end).
     trackers, wandb_project, wandb_mode: experiment trackers for each stage's rows
     (:class:`dew.experiment_trackers.TrackerOptions`): TensorBoard event files in
     ``<run_dir>/<name>/tensorboard``, one W&B run per stage, grouped by the run directory.
     """
 
-    model: str
-    tokenizer: str | None = None
     run_dir: str = "runs/chain"
-    batch: int = Field(default=8, ge=1)
-    learning_rate: float = Field(default=1e-5, gt=0)
-    seed: int = 0
     trainers: int = Field(default=1, ge=1)
     trainer_cpus: float = Field(default=1, gt=0)
     checkpoint_every: int = Field(default=50, ge=1)

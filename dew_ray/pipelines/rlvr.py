@@ -19,7 +19,7 @@ What runs where:
   publishes weights to the servers through the object store
   (:class:`~dew_ray.weight_broadcast.WeightBroadcast`);
 - one placement group reserves every actor's CPUs (the ``*_cpus`` fields) before any
-  starts (:class:`~dew_ray.placement.RolePlacement`);
+  starts; every actor is started (and stopped) in :mod:`dew_ray.pipelines.rlvr_actors`;
 - the driver (this process) only builds the actors, steps the trainers, writes the run
   directory and sets the dashboard series (:mod:`dew_ray.dashboard_metrics`).
 
@@ -63,7 +63,6 @@ The driver API: ``pipeline = RLVRPipeline(config)``, ``pipeline.start()``,
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -77,37 +76,23 @@ from tqdm import tqdm
 
 from dew.data.verifiable import task_tokenizer
 from dew.experiment_trackers import MetricWriters
-from dew.inference import SafetensorsReload, ServingTask
 from dew.inference.engines import engine_dir, engine_python
 from dew.models.pretrained import Pretrained
-from dew.recipes.rlvr_recipe import SANDBOX_LIMITS, built_in_tasks, decoder, measure_reward, sandbox_runner
-from dew.sampling import Sampling
+from dew.recipes.rlvr_recipe import built_in_tasks, decoder, measure_reward, sandbox_runner
 from dew.sandbox import BwrapRunner, Program, SandboxLimits, Verdict
-from dew_ray.actors import (
-    RemoteFleet,
-    start_rollout_servers,
-    start_sandbox_runners,
-    start_trainer_group,
-    start_vllm_engines,
-    step_group,
-)
+from dew_ray.actors import step_group
 from dew_ray.dashboard_metrics import PipelineMetrics
+from dew_ray.pipelines.rlvr_actors import RLVRActors
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
 from dew_ray.pipelines.rlvr_job import (
-    ENGINE_MODEL,
     Setup,
-    engine_args,
-    engine_policy,
-    engine_rollouts,
     pipeline_reward,
     prompt_length,
     prompt_rows,
-    trainer_job,
     warm_start_task,
 )
 from dew_ray.pipelines.rlvr_report import plot, print_summary
 from dew_ray.pipelines.run_dirs import PreflightError, pipeline_main, resolve_run_dir, start_ray, writable
-from dew_ray.placement import RolePlacement
 
 VERL_ROWS = "verl_rows"  # the run directory's folder of verl AgentLoopOutput rows (config verl_rows)
 HELD_OUT = "held_out.jsonl"  # the run directory's held-out reward curve, one {"step", "reward"} line per point
@@ -145,16 +130,21 @@ class RLVRPipeline:
         self.held_out_curve: list[dict] = []  # {"step", "reward"} per held-out measurement, step 0 the warm start
         self.summary: dict | None = None
         self._started_ray = False
-        self._actors: list = []
-        self.trainers: list = []
-        self.pool = None
-        self.fleet = None
+        self.actors: RLVRActors | None = None
         self.metrics = None
         self.writers = None
-        self.placement = None
         self.step_count = 0
         self.runner = None  # the sandbox runner the preflight started a program in; the runner actors get it
         self.sandbox: str | None = None
+
+    @property
+    def pool(self):
+        """The driver's view of the rollout servers (held-out draws and the final policy go through it)."""
+        return None if self.actors is None else self.actors.pool
+
+    @property
+    def trainers(self) -> list:
+        return [] if self.actors is None else self.actors.trainers
 
     # -- lifecycle --
 
@@ -193,7 +183,7 @@ class RLVRPipeline:
                                  f"{ray.cluster_resources().get('GPU', 0):g}")
         (self.run_dir / "config.json").write_text(json.dumps({**config.model_dump(), "run_dir": str(self.run_dir)},
                                                              indent=2))
-        self.tokenizer = tokenizer = task_tokenizer()
+        tokenizer = task_tokenizer()
         train, self.held_out = built_in_tasks(config)
         rows = prompt_rows(config, train)
         prompt_len = max(prompt_length(rows, tokenizer),
@@ -204,30 +194,12 @@ class RLVRPipeline:
             raise PreflightError(f"config field 'max_new_tokens' ({config.max_new_tokens}) is shorter than the longest "
                                  f"reference answer of the tasks ({answer} ids with EOS): the warm start could not "
                                  "show it and no completion could reach it")
-        self.model = decoder(len(tokenizer), max_seq_len=width, engine=config.engine)
+        model = decoder(len(tokenizer), max_seq_len=width, engine=config.engine)
+        self.setup = setup = Setup(config, str(self.run_dir), width, prompt_len, rows, model, tokenizer)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
-        self.placement = placement = RolePlacement({
-            "trainer": (config.trainers, config.trainer_cpus, config.trainer_gpus),
-            "rollout server": (config.servers, config.server_cpus, config.server_gpus),
-            "sandbox runner": (config.sandbox_runners, config.sandbox_cpus),
-        }, name=f"dew-rlvr-{self.run_dir.resolve().name}")
-        self.params = self._warm_params(width, train)
-
-        setup = Setup(config, str(self.run_dir), width, prompt_len, rows)
-        if config.engine == "vllm":
-            engines = self._start_engines(setup)
-        else:
-            sampling = Sampling(eos_id=tokenizer.eos_token_id, temperature=1.0)
-            self.pool = start_rollout_servers(ServingTask(self.model, self.params, sampling), config.servers,
-                                              slots=config.slots, capacity=width, version=-1,
-                                              placement=lambda i: placement.options("rollout server", i),
-                                              timeout=config.server_timeout)
-            engines = [server.actor for server in self.pool.servers]
-        runners = start_sandbox_runners(config.sandbox_runners, self.runner, SANDBOX_LIMITS,
-                                        workers=config.sandbox_workers,
-                                        placement=lambda i: placement.options("sandbox runner", i))
-        self.fleet = RemoteFleet(runners, workers=config.sandbox_workers)
-        self._actors = engines + runners
+        self.actors = actors = RLVRActors(setup, name=f"dew-rlvr-{self.run_dir.resolve().name}")
+        self.params = self._warm_params(setup, train)
+        actors.start_roles(self.params, self.runner)
         self.metrics = PipelineMetrics(self.run_dir.resolve().name)
 
         before_file = self.run_dir / "reward_before.json"
@@ -237,11 +209,7 @@ class RLVRPipeline:
             self.reward_before = self._measure()
             before_file.write_text(json.dumps(self.reward_before))
 
-        servers = [] if setup.engines else [(server.name, server.actor) for server in self.pool.servers]
-        build = functools.partial(trainer_job, setup, self.params, servers, runners)
-        self.trainers, started = start_trainer_group(build, processes=config.trainers,
-                                                     placement=lambda i: placement.options("trainer", i))
-        self._actors += self.trainers
+        started = actors.start_trainers(self.params)
         self.step_count = started[0]["step"]
         self.writers = MetricWriters(config.experiment_trackers(name=self.run_dir.resolve().name), self.run_dir,
                                      start_step=self.step_count, config=config.model_dump())
@@ -251,26 +219,13 @@ class RLVRPipeline:
         return {"restored": started[0]["restored"], "step": self.step_count, "width": width,
                 "reward_before": self.reward_before, "parameters": sum(int(x.size) for x in _leaves(self.params))}
 
-    def _start_engines(self, setup: Setup) -> list:
-        """engine="vllm": write the launch policy, start the engines on it, and the driver's pool over them."""
-        directory = engine_policy(self.run_dir)
-        SafetensorsReload(Pretrained.from_model(self.model), directory, [], "vllm").write(self.params)
-        actors, setup.engines = start_vllm_engines(
-            directory, self.config.servers, name=ENGINE_MODEL, dtype=self.config.engine_dtype,
-            max_model_len=setup.width, max_num_seqs=self.config.slots, args=engine_args(self.config),
-            placement=lambda i: self.placement.options("rollout server", i))
-        # The driver's own pushes (the final policy, for the held-out measure) go through the disk whatever
-        # engine_push the trainers use: the driver holds no GPU to broadcast from.
-        self.pool = engine_rollouts(setup, self.model, version=-1)
-        return actors
-
-    def _warm_params(self, width: int, train):
+    def _warm_params(self, setup: Setup, train):
         path = self.run_dir / "warm_start.msgpack"
-        template = _init_template(decoder(len(self.tokenizer), max_seq_len=width, engine=self.config.engine))
         if path.exists():
-            return serialization.from_bytes(template, path.read_bytes())
-        task = ray.remote(warm_start_task).options(**self.placement.options("trainer", 0))  # before the trainer starts
-        params = ray.get(task.remote(self.config, width, train))
+            return serialization.from_bytes(_init_template(setup.model), path.read_bytes())
+        # in the first trainer's bundle, before the trainer starts there
+        task = ray.remote(warm_start_task).options(**self.actors.placement.options("trainer", 0))
+        params = ray.get(task.remote(setup, train))
         partial = path.with_suffix(".partial")
         partial.write_bytes(serialization.to_bytes(params))
         os.replace(partial, path)  # a crash mid-write leaves no half file to read back
@@ -362,8 +317,8 @@ class RLVRPipeline:
 
     def _measure(self) -> dict[str, float]:
         """The held-out reward of the policy the pool serves now."""
-        return measure_reward(self.pool, pipeline_reward(self.fleet), self.tokenizer, self.held_out, self.config.eval_samples,
-                              self.config.max_new_tokens, seed=self.config.seed + 1)
+        return measure_reward(self.pool, pipeline_reward(self.actors.fleet), self.setup.tokenizer, self.held_out,
+                              self.config.eval_samples, self.config.max_new_tokens, seed=self.config.seed + 1)
 
     def finish(self) -> dict:
         """Measure the final policy on the held-out tasks, export it, plot the run and write summary.json."""
@@ -373,8 +328,8 @@ class RLVRPipeline:
         if self.held_out_curve[-1]["step"] != self.step_count:
             self._held_out_point(self.step_count, after)
         policy = self.run_dir / "policy"
-        Pretrained.from_model(self.model).save(params, policy)
-        self.tokenizer.save_pretrained(policy)
+        Pretrained.from_model(self.setup.model).save(params, policy)
+        self.setup.tokenizer.save_pretrained(policy)
         tokens = sum(row.get("train/tokens", 0) for row in self.rows)
         wall = sum(row["wall"] for row in self.rows)
         self.summary = {
@@ -395,19 +350,9 @@ class RLVRPipeline:
             self.writers = None
         if not ray.is_initialized():
             return
-        for trainer in self.trainers:
-            try:
-                ray.get(trainer.close.remote(), timeout=60)
-            except Exception:  # noqa: BLE001 - a dead trainer has nothing left to close
-                pass
-        if self.pool is not None:
-            self.pool.close()
-        for actor in self._actors:
-            ray.kill(actor)
-        self._actors, self.trainers = [], []
-        if self.placement is not None:
-            self.placement.remove()
-            self.placement = None
+        if self.actors is not None:
+            self.actors.stop()
+            self.actors = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -1,7 +1,8 @@
 """What the RLVR pipeline runs inside its actors: the warm-start task and each trainer process's GRPO job.
 
-The driver works out a :class:`Setup` once (config, row width, prompt length, prompt rows)
-and every trainer process builds its job from it (:func:`trainer_job`), the same GRPO job
+The driver works out a :class:`Setup` once (config, row width, prompt length, prompt rows,
+the model and its tokenizer) and the warm-start task and every trainer process build their
+work from it (:func:`trainer_job`), the same GRPO job
 the one-process example trains (:func:`dew.recipes.rlvr_recipe.grpo_job`), here over a
 :class:`~dew_ray.actors.ServerPool` of the rollout-server actors (or, with ``engine="vllm"``,
 an EnginePool over the vLLM engines, :func:`engine_rollouts`), scored by the built-in
@@ -24,9 +25,9 @@ import pyarrow.parquet as pq
 
 from dew.data import Loading, Prompts
 from dew.inference.engines import engine_dir
-from dew.data.verifiable import MATH_SOURCE, task_rows, task_tokenizer
+from dew.data.verifiable import MATH_SOURCE, task_rows
 from dew.recipes.reward_routing import RoutedReward, verifiable_reward
-from dew.recipes.rlvr_recipe import decoder, grpo_job, warm_start
+from dew.recipes.rlvr_recipe import grpo_job, warm_start
 from dew.models.pretrained import Pretrained
 from dew.records.verl_rows import to_verl
 from dew.sampling import Sampling
@@ -43,6 +44,8 @@ class Setup:
     width: int
     prompt_len: int
     rows: list[dict]
+    model: object  # the flax module every process trains or serves (built once, pickled to the actors)
+    tokenizer: object
     engines: list[str] | None = None  # engine="vllm": the engines' URLs, serving engine_policy(run_dir)
 
 
@@ -61,12 +64,12 @@ def engine_args(config) -> list[str]:
     return args + (["--weight-transfer-config", '{"backend": "nccl"}'] if config.engine_push == "nccl" else [])
 
 
-def engine_rollouts(setup: Setup, model, version: int, push: str = "reload"):
+def engine_rollouts(setup: Setup, version: int, push: str = "reload"):
     """The EnginePool over the run's vLLM engines, publishing into engine_policy(run_dir) or by NCCL broadcast."""
     config = setup.config
-    sampling = Sampling(eos_id=task_tokenizer().eos_token_id, temperature=1.0)
+    sampling = Sampling(eos_id=setup.tokenizer.eos_token_id, temperature=1.0)
     library = config.nccl_library or str(next(engine_dir("vllm").glob(BUNDLED_NCCL), engine_dir("vllm") / BUNDLED_NCCL))
-    return vllm_rollouts(Pretrained.from_model(model), engine_policy(setup.run_dir), setup.engines, sampling,
+    return vllm_rollouts(Pretrained.from_model(setup.model), engine_policy(setup.run_dir), setup.engines, sampling,
                          name=ENGINE_MODEL, version=version, served_dtype=config.engine_dtype,
                          nccl_library=library if push == "nccl" else None)
 
@@ -120,17 +123,15 @@ class CountingFleet:
 
 def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
     """The GRPO job of one trainer process (runs inside a TrainerActor)."""
-    config = setup.config
-    tokenizer = task_tokenizer()
-    model = decoder(len(tokenizer), max_seq_len=setup.width, engine=config.engine)
+    config, tokenizer = setup.config, setup.tokenizer
     if setup.engines:
-        pool = engine_rollouts(setup, model, version=-1, push=config.engine_push)
+        pool = engine_rollouts(setup, version=-1, push=config.engine_push)
     else:
         pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers], timeout=config.server_timeout)
     fleet = CountingFleet(RemoteFleet(runners, workers=config.sandbox_workers))
     # The trainer's own bar stays off: the driver shows the run's. (The config is not rebuilt here: its checks,
     # the prompts file's existence among them, hold on the driver's machine, not necessarily on this node.)
-    job = grpo_job(config, model, params, tokenizer, setup.rows, setup.prompt_len, pool,
+    job = grpo_job(config, setup.model, params, tokenizer, setup.rows, setup.prompt_len, pool,
                    pipeline_reward(fleet), loading=Loading(seed=config.seed),
                    score_workers=max(2, config.sandbox_workers * len(runners)), progress=False,
                    output_dir=str(Path(setup.run_dir) / "grpo"),
@@ -159,10 +160,9 @@ def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
     return TrainJob(job.trainer, job.data, close=close, report=report)
 
 
-def warm_start_task(config: RLVRPipelineConfig, width: int, train):
+def warm_start_task(setup: Setup, train):
     """The SFT warm start, run as a Ray task on the trainer's share of the CPUs before the trainers start."""
-    tokenizer = task_tokenizer()
-    model = decoder(len(tokenizer), max_seq_len=width, engine=config.engine)
-    return warm_start(model, tokenizer, train, width, config.sft_steps, config.sft_batch, config.sft_learning_rate,
-                      key=jax.random.fold_in(jax.random.key(config.seed), 1), seed=config.seed, progress=False,
-                      errors=config.sft_errors)
+    config = setup.config
+    return warm_start(setup.model, setup.tokenizer, train, setup.width, config.sft_steps, config.sft_batch,
+                      config.sft_learning_rate, key=jax.random.fold_in(jax.random.key(config.seed), 1),
+                      seed=config.seed, progress=False, errors=config.sft_errors)

@@ -1,0 +1,110 @@
+"""Where the RLVR pipeline starts its actors, and stops them: every role of one run, in one place.
+
+:class:`RLVRActors` reserves every role's CPUs (and GPUs) at once in one placement group
+(:class:`~dew_ray.placement.RolePlacement`; the driver runs the warm start as a task in the
+first trainer's bundle), then starts, each actor in its own bundle:
+
+- with ``start_roles(params, runner)``, ``servers`` rollout servers: RolloutServerActors behind a :class:`~dew_ray.actors.ServerPool`
+  (``engine="native"``), or VLLMEngineActors launched on ``<run_dir>/engine/policy`` behind
+  an EnginePool (``engine="vllm"``): the driver draws held-out samples through ``pool``;
+  and ``sandbox_runners`` SandboxRunnerActors behind a :class:`~dew_ray.actors.RemoteFleet`
+  (``fleet``);
+- with ``start_trainers(params)``, ``trainers`` TrainerActors (one ``jax.distributed`` job)
+  whose jobs (:func:`~dew_ray.pipelines.rlvr_job.trainer_job`) reach the servers and runners.
+
+``stop()`` closes the trainers and the pool, ends every actor and frees the placement group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import ray
+
+from dew.inference import SafetensorsReload, ServingTask
+from dew.models.pretrained import Pretrained
+from dew.sampling import Sampling
+from dew_ray.actors import (
+    RemoteFleet,
+    start_rollout_servers,
+    start_sandbox_runners,
+    start_trainer_group,
+    start_vllm_engines,
+)
+from dew_ray.pipelines.rlvr_job import (
+    ENGINE_MODEL,
+    Setup,
+    engine_args,
+    engine_policy,
+    engine_rollouts,
+    trainer_job,
+)
+from dew_ray.placement import RolePlacement
+from dew.recipes.rlvr_recipe import SANDBOX_LIMITS
+
+
+class RLVRActors:
+    """Every actor of one run (see the module docstring); ``name`` names the placement group and the actors."""
+
+    def __init__(self, setup: Setup, name: str):
+        config = setup.config
+        self.setup = setup
+        self.servers: list = []
+        self.runners: list = []
+        self.trainers: list = []
+        self.pool = self.fleet = None
+        self.placement = RolePlacement({
+            "trainer": (config.trainers, config.trainer_cpus, config.trainer_gpus),
+            "rollout server": (config.servers, config.server_cpus, config.server_gpus),
+            "sandbox runner": (config.sandbox_runners, config.sandbox_cpus),
+        }, name=name)
+
+    def start_roles(self, params, runner) -> None:
+        """The rollout servers serving ``params`` (version -1) and the sandbox runners (``runner``: the preflight's)."""
+        config = self.setup.config
+        self.servers = self._start_servers(params)
+        self.runners = start_sandbox_runners(config.sandbox_runners, runner, SANDBOX_LIMITS,
+                                             workers=config.sandbox_workers,
+                                             placement=lambda i: self.placement.options("sandbox runner", i))
+        self.fleet = RemoteFleet(self.runners, workers=config.sandbox_workers)
+
+    def _start_servers(self, params) -> list:
+        setup, config = self.setup, self.setup.config
+        placement = lambda i: self.placement.options("rollout server", i)  # noqa: E731
+        if config.engine == "vllm":  # the engines launch on the warm-started policy, written where they read it
+            directory = engine_policy(setup.run_dir)
+            SafetensorsReload(Pretrained.from_model(setup.model), directory, [], "vllm").write(params)
+            actors, setup.engines = start_vllm_engines(
+                directory, config.servers, name=ENGINE_MODEL, dtype=config.engine_dtype, max_model_len=setup.width,
+                max_num_seqs=config.slots, args=engine_args(config), placement=placement)
+            # The driver's own pushes (the final policy, for the held-out measure) go through the disk whatever
+            # engine_push the trainers use: the driver holds no GPU to broadcast from.
+            self.pool = engine_rollouts(setup, version=-1)
+            return actors
+        sampling = Sampling(eos_id=setup.tokenizer.eos_token_id, temperature=1.0)
+        self.pool = start_rollout_servers(ServingTask(setup.model, params, sampling), config.servers,
+                                          slots=config.slots, capacity=setup.width, version=-1, placement=placement,
+                                          timeout=config.server_timeout)
+        return [server.actor for server in self.pool.servers]
+
+    def start_trainers(self, params) -> list[dict]:
+        """The trainer group, each process's job built from the setup; returns what each trainer's start reported."""
+        named = [] if self.setup.engines else [(server.name, server.actor) for server in self.pool.servers]
+        build = functools.partial(trainer_job, self.setup, params, named, self.runners)
+        self.trainers, started = start_trainer_group(build, processes=self.setup.config.trainers,
+                                                     placement=lambda i: self.placement.options("trainer", i))
+        return started
+
+    def stop(self) -> None:
+        """Close the trainers and the pool, end every actor and free the placement group."""
+        for trainer in self.trainers:
+            try:
+                ray.get(trainer.close.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - a dead trainer has nothing left to close
+                pass
+        if self.pool is not None:
+            self.pool.close()
+        for actor in [*self.servers, *self.runners, *self.trainers]:
+            ray.kill(actor)
+        self.trainers, self.servers, self.runners = [], [], []
+        self.placement.remove()
