@@ -27,12 +27,13 @@ from conftest import ScriptedPolicy
 from dew import Trainer
 from dew.collection.episode_rollout import EpisodeCancelled, EpisodeFailure
 from dew.data import Dataset
-from dew.inference import TextGeneration
+from dew.inference import Draw, DrawFuture, RolloutServer, TextGeneration
 from dew.models.transformer import CausalTransformer
 from dew.collection.episode_rollout import EpisodeRollout
 from dew.objectives.grpo import GRPOObjective
 from dew.records.episode_records import session_of
 from dew.records.episode_protocol import Environment, EpisodeStatus, Observation
+from dew.records.session_records import Status, Task
 from dew.sampling import Sampling
 
 PAD, EOS, SQUARE, RESULT = 0, 1, 2, 3
@@ -386,3 +387,70 @@ def test_identities_carry_the_attempted_step_and_actions_the_committed_update_cl
     assert int(state.step) == 2 and int(state.updates) == 1
     # step 0 made no update; step 1's episodes are attempt 1 at update clock 0
     assert {step for step, _ in identities} == {0, 1} and all(clock == {0} for _, clock in identities)
+
+
+class Counting(Environment):
+    """Context [10 + task, 10 + task]; each step appends the action's ids and 9; an action of 7 completes it."""
+
+    def __init__(self, task: int):
+        self.task = task
+
+    def reset(self):
+        return Observation((10 + self.task,) * 2)
+
+    def step(self, action):
+        status = EpisodeStatus.COMPLETED if action.tokens[0] == 7 else EpisodeStatus.RUNNING
+        return Observation(action.context + action.tokens + (9,), status, "done" if action.tokens[0] == 7 else "")
+
+
+def counting_reply(context):
+    """Task 0 answers 7 on its second turn; 1 never answers; 2 spends its budget without EOS; 3 outgrows the context."""
+    task, turn = context[0] - 10, (len(context) - 2) // 4
+    return {0: [8, 8] if turn == 0 else [7], 1: [8], 2: [8, 8, 8, 8], 3: [8, 8]}.get(task, [])  # []: an inert row
+
+
+class CountingServer(RolloutServer):
+    """A RolloutServer whose draw is ``counting_reply`` then EOS, cut at the budget (no EOS then), at once."""
+
+    version = 0
+
+    def submit(self, prompt_ids, max_new_tokens, seed=0):
+        ids = (counting_reply(tuple(prompt_ids)) + [EOS])[:max_new_tokens]
+        future = DrawFuture()
+        future.set_result(Draw(ids, [-0.25] * len(ids), [-0.5] * len(ids), eos=ids[-1] == EOS, version=0,
+                               finish_reason="stop" if ids[-1] == EOS else "length"))
+        return future
+
+    def cancel(self, draw):
+        pass
+
+    def load(self, variables, version):
+        pass
+
+
+def test_both_collectors_follow_the_one_episode_driver():
+    """EnvironmentSource (a draw per turn) and EpisodeRollout (one policy call per round) run the same episodes to the
+    same calls, statuses, details and rewards: completion, a response without EOS kept from the tool, the turn
+    limit and the context limit."""
+    from dew.collection.sources import EnvironmentSource
+
+    limits = {"max_prompt_tokens": 8, "max_new_tokens": 3, "max_turns": 3}
+    transitions = lambda episode: float(len(episode.transitions))  # noqa: E731
+    episodes = EpisodeRollout(ScriptedPolicy(counting_reply, EOS), lambda identity: Counting(identity.task),
+                              transitions, groups=2, sampling=SAMPLING, **limits)
+    records = episodes.collect(tasks(0, 1, 2, 3), None, 0, jax.random.key(0))
+    with EnvironmentSource(CountingServer(), lambda task, identity: Counting(int(task.id)),
+                           lambda task, episode: transitions(episode), workers=2, eos_ids=(EOS,), **limits) as source:
+        sessions = [future.result(timeout=60) for task in range(4)
+                    for future in source.submit(Task(str(task), {}), 0, 2)]
+
+    def seen(session):
+        return (session.task.id, session.sample, [(c.prompt_ids, c.sampled_ids) for c in session.calls],
+                session.status, session.detail, session.reward)
+
+    assert [seen(s) for s in sessions] == [seen(session_of(r)) for r in records]
+    by_task = {s.task.id: s for s in sessions}
+    assert (by_task["0"].status, by_task["0"].detail, by_task["0"].reward) == (Status.COMPLETED, "done", 2.0)
+    assert by_task["1"].detail == "the episode needs more than max_turns=3 model calls" and by_task["1"].reward is None
+    assert (by_task["2"].detail, by_task["2"].reward) == ("the response spent max_new_tokens=3 without EOS", 1.0)
+    assert by_task["3"].detail == "a context of 10 ids exceeds max_prompt_tokens=8" and len(by_task["3"].calls) == 2

@@ -13,10 +13,11 @@ same call) and runs ``groups`` episodes of every task together, round by round:
   whose episode ended holds an inert one-id prompt whose output is thrown away, so turn
   counts never change which random stream a row draws from (row r of round k draws with
   ``fold_in(fold_in(key, k), r)``, as TextGeneration folds rows);
-- a response that spends ``max_new_tokens`` without EOS is recorded with a "truncated"
-  observation and never reaches a tool; otherwise ``step(action)`` gives the next
-  observation. A context longer than ``max_prompt_tokens`` truncates the episode before
-  the call (what was recorded stays whole), and ``max_turns`` bounds the model calls;
+- each turn follows :class:`~dew.collection.episode_driver.EpisodeDriver`'s rules, as
+  EnvironmentSource's do: a response that spends ``max_new_tokens`` without EOS is recorded
+  with a "truncated" observation and never reaches a tool; otherwise ``step(action)`` gives
+  the next observation. A context longer than ``max_prompt_tokens`` truncates the episode
+  before the call (what was recorded stays whole), and ``max_turns`` bounds the model calls;
 - ``verifier(episode)`` runs on every completed or environment-truncated episode while its
   environment is still open and must return a finite number; then each environment is
   released, and an episode whose release fails is thrown out (not trained, not in the
@@ -55,14 +56,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import math
-import numbers
 import sys
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
+from dew.collection.episode_driver import EpisodeDriver
 from dew.collection.journal import EpisodeJournal, policy_digest
 from dew.losses.advantages import ESTIMATORS
 from dew.records.actions import check_action
@@ -71,7 +71,7 @@ from dew.records.episode_protocol import Action, Environment, Episode, EpisodeId
 from dew.records.session_packing import pack
 from dew.sampling import Sampling
 from dew.sharding import collective_host, describe_error, exchange, raise_failures
-from dew.validation import integer, one_of, positive_int
+from dew.validation import integer, one_of
 
 CANCELLATIONS = (asyncio.CancelledError, concurrent.futures.CancelledError)
 INERT = (0,)  # the prompt a finished slot holds so that every round keeps B * G rows
@@ -163,23 +163,22 @@ class EpisodeRollout:
         if journal is not None and not isinstance(journal, EpisodeJournal):
             raise TypeError(f"journal must be an EpisodeJournal or None, got {type(journal).__name__}")
         self.journal = journal
-        self.max_prompt_tokens = positive_int("max_prompt_tokens", max_prompt_tokens)
-        self.max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
-        self.max_turns = positive_int("max_turns", max_turns)
+        self.driver = EpisodeDriver(max_prompt_tokens, max_new_tokens, max_turns)
         self.groups = integer("groups", groups, at_least=2, why="advantages compare episodes of one task")
         self.sampling = Sampling() if sampling is None else sampling
         if not isinstance(self.sampling, Sampling):
             raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(self.sampling).__name__}")
         self.estimator = one_of("estimator", estimator, ESTIMATORS)
         self.policy, self.factory, self.verifier, self.record = policy, environment_factory, verifier, record
-        self.width = self.max_prompt_tokens + self.max_new_tokens
+        self.width = max_prompt_tokens + max_new_tokens
         self.metrics: dict[str, float] = {}
 
     @property
     def options(self) -> dict:
         """What every rank's rollout must share."""
-        return {"max_prompt_tokens": self.max_prompt_tokens, "max_new_tokens": self.max_new_tokens,
-                "max_turns": self.max_turns, "groups": self.groups, "sampling": repr(self.sampling),
+        driver = self.driver
+        return {"max_prompt_tokens": driver.max_prompt_tokens, "max_new_tokens": driver.max_new_tokens,
+                "max_turns": driver.max_turns, "groups": self.groups, "sampling": repr(self.sampling),
                 "estimator": self.estimator}
 
     # ----- the Trainer's hook --------------------------------------------------------------------
@@ -238,15 +237,10 @@ class EpisodeRollout:
         current: list[_Slot | None] = [None]
         try:
             self._phase("opening the environments", lambda: self._open(slots, binding, current))
-            for turn in range(self.max_turns):
-                running = self._phase(f"round {turn + 1} of the episodes",
-                                      lambda: self._round(slots, policy, binding, turn, jax.random.fold_in(key, turn + 1),
-                                                          current), running=True)
-                if not running:
-                    break
-            for slot in slots:
-                if slot.running:
-                    slot.record.truncated = f"the episode needs more than max_turns={self.max_turns} model calls"
+            turn = 0  # rounds until no rank runs an episode: the driver's limits end each one by max_turns + 1
+            while self._phase(f"round {turn + 1} of the episodes", lambda: self._round(
+                    slots, policy, binding, turn, jax.random.fold_in(key, turn + 1), current), running=True):
+                turn += 1
             self._phase("verifying the episodes", lambda: self._verify(slots, current))
         except BaseException as error:
             _release_all(slots, sys.exc_info())
@@ -308,7 +302,7 @@ class EpisodeRollout:
                 observation, snapshot = journal.resets[slot.row]
                 _restore(slot, snapshot)
             else:
-                observation = _observed(slot, slot.env.reset())
+                observation = self.driver.observed(slot.env.reset(), slot.identity)
                 if journal is not None:
                     journal.reset(slot.row, observation, _snapshot(slot))
             slot.record = EpisodeRecord(Episode(slot.identity, observation), [], origin=binding,
@@ -319,9 +313,8 @@ class EpisodeRollout:
         """One sampling round: each local block of slots in one policy call (or its journaled draws); True while an
         episode here runs."""
         for slot in slots:
-            if slot.running and len(slot.record.episode.last.context) > self.max_prompt_tokens:
-                slot.record.truncated = (f"a context of {len(slot.record.episode.last.context)} ids exceeds "
-                                         f"max_prompt_tokens={self.max_prompt_tokens}")
+            if slot.running:
+                slot.record.truncated = self.driver.limit(slot.record.episode, len(slot.record.actions)) or ""
         size = binding.tasks_per_block * self.groups
         journal = self.journal
         for block, global_block in enumerate(binding.blocks):
@@ -347,7 +340,7 @@ class EpisodeRollout:
         """One policy call over the block's rows (inert prompts where an episode ended); the live slots' draws."""
         live = {id(slot) for slot in members}
         contexts = [slot.record.episode.last.context if id(slot) in live else INERT for slot in block]
-        generation = jax.device_get(policy(contexts, self.max_new_tokens, key, self.sampling))
+        generation = jax.device_get(policy(contexts, self.driver.max_new_tokens, key, self.sampling))
         draws = []
         for row, slot in enumerate(block):
             if id(slot) in live:
@@ -372,13 +365,8 @@ class EpisodeRollout:
             if recorded.snapshot is not None:
                 _restore(slot, recorded.snapshot)
         else:
-            snapshot = None
-            if not action.eos:  # recorded, never sent to a tool
-                observation = Observation((), EpisodeStatus.TRUNCATED,
-                                          f"the response spent max_new_tokens={self.max_new_tokens} without EOS")
-            else:
-                observation = _observed(slot, slot.env.step(action))
-                snapshot = _snapshot(slot) if self.journal is not None else None
+            observation = self.driver.act(slot.env, action, slot.identity)
+            snapshot = _snapshot(slot) if self.journal is not None and action.eos else None
             if self.journal is not None:
                 self.journal.complete(slot.row, turn, observation, snapshot)
         slot.record.episode.transitions.append(Transition(action, observation))
@@ -389,11 +377,11 @@ class EpisodeRollout:
         for slot in slots:
             current[0] = slot
             episode = slot.record.episode
-            if episode.status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED) and not slot.record.truncated:
+            if self.driver.verifiable(episode) and not slot.record.truncated:
                 if self.journal is not None and slot.row in self.journal.rewards:
                     slot.record.reward = self.journal.rewards[slot.row]  # verified before a crash
                     continue
-                slot.record.reward = _finite(slot, self.verifier(episode))
+                slot.record.reward = self.driver.reward(self.verifier(episode), slot.record.describe())
                 if self.journal is not None:
                     self.journal.reward(slot.row, slot.record.reward)
 
@@ -409,7 +397,7 @@ class EpisodeRollout:
         if strangers:
             raise ValueError(f"{len(strangers)} of these {len(records)} episode records come from a separately bound "
                              "collection; project each collection's records on their own")
-        rows = binding.tasks_per_block * self.groups * self.max_turns  # B * G * K per block: always fits
+        rows = binding.tasks_per_block * self.groups * self.driver.max_turns  # B * G * K per block: always fits
         blocks = []
         for block in range(len(binding.blocks)):
             low = binding.first_group + block * binding.tasks_per_block
@@ -451,12 +439,6 @@ def _task_ids(batch) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _observed(slot: _Slot, observation) -> Observation:
-    if not isinstance(observation, Observation):
-        raise TypeError(f"the environment of {slot.identity} returned {type(observation).__name__}, not an Observation")
-    return observation
-
-
 def _snapshot(slot: _Slot) -> bytes:
     """The environment's state for the journal; an environment without snapshots cannot be journaled."""
     try:
@@ -479,12 +461,6 @@ def _restore(slot: _Slot, snapshot: bytes) -> None:
 def _stop_on_failure(slot: _Slot, observation: Observation) -> None:
     if observation.status in (EpisodeStatus.ERROR, EpisodeStatus.CANCELLED):
         raise _Stop(slot, observation.status, observation.detail)
-
-
-def _finite(slot: _Slot, reward) -> float:
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-        raise ValueError(f"the verifier returned {reward!r} for {slot.record.describe()}; a finite number is needed")
-    return float(reward)
 
 
 def _release_all(slots: list[_Slot], exc_info) -> None:

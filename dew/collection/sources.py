@@ -43,17 +43,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from dew.collection.scoring import finite_score, score_completion, token_text
+from dew.collection.episode_driver import EpisodeDriver, NotAnObservation
+from dew.collection.scoring import score_completion, token_text
 from dew.inference.rollout_server import Draw, DrawFuture, RolloutServer
-from dew.records.episode_protocol import (
-    Action,
-    Environment,
-    Episode,
-    EpisodeId,
-    EpisodeStatus,
-    Observation,
-    Transition,
-)
+from dew.records.episode_protocol import Action, Environment, Episode, EpisodeId, EpisodeStatus, Observation, Transition
 from dew.records.session_records import Call, Session, SessionSource, Status, Task
 from dew.validation import positive_int
 
@@ -244,14 +237,15 @@ class EnvironmentSource(_PooledSource):
     ``step`` the group; ``sample`` the sample index; ``seed`` fixed by (task id, group,
     sample). Turn ``k`` draws with a seed fixed by (task id, group, sample, k).
 
-    Each turn: a terminal observation ends the session; a context longer than
+    Each turn follows :class:`~dew.collection.episode_driver.EpisodeDriver`'s rules, as
+    EpisodeRollout's do: a terminal observation ends the session; a context longer than
     ``max_prompt_tokens``, or a turn past ``max_turns`` model calls, truncates it;
     otherwise the context goes to the server with ``max_new_tokens`` and the draw is
     recorded as a :class:`Call`. A draw without EOS truncates the session without
     reaching the environment; the episode records it as a transition with a
     "truncated" observation. A draw ended on EOS when the server says so or, for a
-    server that does not, when its last id is one of ``eos_ids``. Otherwise ``env.step(Action(context, ids, eos,
-    policy_step=draw.version))`` gives the next observation.
+    server that does not, when its last id is one of ``eos_ids``. Otherwise
+    ``env.step(Action(context, ids, eos, policy_step=draw.version))`` gives the next observation.
 
     A :class:`~dew.sandbox.SubprocessEnvironment` serves sessions as
     ``EnvironmentSource(server, workers.for_task, verifier, ...)``: its ``for_task(task,
@@ -280,9 +274,7 @@ class EnvironmentSource(_PooledSource):
             raise TypeError(f"environment must be callable as environment(task, identity), got {environment!r}")
         if not callable(verifier):
             raise TypeError(f"verifier must be callable as verifier(task, episode), got {verifier!r}")
-        self.max_prompt_tokens = positive_int("max_prompt_tokens", max_prompt_tokens)
-        self.max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
-        self.max_turns = positive_int("max_turns", max_turns)
+        self.driver = EpisodeDriver(max_prompt_tokens, max_new_tokens, max_turns)
         super().__init__(server, workers, "dew-environment-session")
         self.environment, self.verifier = environment, verifier
         self.eos_ids = frozenset(int(i) for i in eos_ids)
@@ -326,31 +318,31 @@ class EnvironmentSource(_PooledSource):
     def _episode(self, task, identity, env, session, live) -> tuple[Status, float | None, str]:
         """Run the turns inside the environment's context: (status, reward, detail)."""
         try:
-            episode = Episode(identity, self._observe(env.reset))
+            episode = Episode(identity, self._observe(lambda: self.driver.observed(env.reset(), identity)))
             while not episode.last.terminal:
-                self._turn(task, env, episode, session, live)
+                self._turn(task, identity, env, episode, session, live)
         except _Stop as stop:
             return stop.status, None, stop.detail
         status, detail = _TERMINAL[episode.status], episode.detail
-        if status not in (Status.COMPLETED, Status.TRUNCATED):
+        if not self.driver.verifiable(episode):
             return status, None, detail
         try:
-            return status, finite_score("verifier", self.verifier(task, episode)), detail
+            where = f"task {task.id!r}, group {session.group}, sample {session.sample}"
+            return status, self.driver.reward(self.verifier(task, episode), where), detail
         except Exception as error:
             return Status.INFRA_ERROR, None, f"the verifier failed: {error!r}"
 
-    def _turn(self, task: Task, env: Environment, episode: Episode, session: Session, live: _Live) -> None:
+    def _turn(self, task: Task, identity: EpisodeId, env: Environment, episode: Episode, session: Session,
+              live: _Live) -> None:
         if live.cancelled:
             raise _Stop(Status.CANCELLED, "cancelled")
-        turn = len(session.calls)
-        if turn >= self.max_turns:
-            raise _Stop(Status.TRUNCATED, f"the episode needs more than max_turns={self.max_turns} model calls")
+        limit = self.driver.limit(episode, len(session.calls))
+        if limit is not None:
+            raise _Stop(Status.TRUNCATED, limit)
         context = episode.last.context
-        if len(context) > self.max_prompt_tokens:
-            raise _Stop(Status.TRUNCATED, f"a context of {len(context)} ids exceeds max_prompt_tokens={self.max_prompt_tokens}")
         try:
-            draw_future = self.server.submit(context, self.max_new_tokens,
-                                              seed=_seed(task.id, session.group, session.sample, turn))
+            draw_future = self.server.submit(context, self.driver.max_new_tokens,
+                                             seed=_seed(task.id, session.group, session.sample, len(session.calls)))
             self._watch(live, draw_future)
             draw: Draw = draw_future.result()
         except Exception as error:
@@ -360,19 +352,14 @@ class EnvironmentSource(_PooledSource):
             raise _Stop(Status.CANCELLED, "cancelled")
         ended = bool(draw.eos) or bool(draw.ids and draw.ids[-1] in self.eos_ids)
         action = Action(context, tuple(draw.ids), ended, policy_step=draw.version)
-        if not ended:  # recorded, never sent to a tool
-            limit = Observation((), EpisodeStatus.TRUNCATED, f"the draw spent max_new_tokens={self.max_new_tokens} without EOS")
-            episode.transitions.append(Transition(action, limit))
-            return
-        episode.transitions.append(Transition(action, self._observe(lambda: env.step(action))))
+        episode.transitions.append(Transition(action, self._observe(lambda: self.driver.act(env, action, identity))))
 
     @staticmethod
     def _observe(operation: Callable[[], Observation]) -> Observation:
         """An environment operation's observation; a raise or a wrong type is an infrastructure failure."""
         try:
-            observation = operation()
+            return operation()
+        except NotAnObservation as error:
+            raise _Stop(Status.INFRA_ERROR, str(error)) from error
         except Exception as error:
             raise _Stop(Status.INFRA_ERROR, f"the environment raised: {error!r}") from error
-        if not isinstance(observation, Observation):
-            raise _Stop(Status.INFRA_ERROR, f"the environment returned {type(observation).__name__}, not an Observation")
-        return observation
