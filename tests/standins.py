@@ -22,7 +22,11 @@ Followed, route by route:
   ``token_ids``, ``logprobs.content[i].logprob``, ``sampling_mask`` as one list of kept ids
   per drawn token) and the development endpoints (``/pause``, ``/collective_rpc``,
   ``/reset_prefix_cache`` answering ``{"success": bool}``, ``/update_weight_version``,
-  ``/resume``), plus ``/v1/completions`` with ``prompt_logprobs`` for the landing probe.
+  ``/resume``, ``/weight_info``), plus ``/v1/completions``: with ``prompt_logprobs`` for the
+  landing probe, without for a draw (``return_tokens_as_token_ids``: ``logprobs.tokens`` as
+  ``"token_id:<id>"`` beside ``token_logprobs``, ``entrypoints/openai/completion/serving.py``),
+  and ``/health``. SGLang's stand-in answers ``/get_model_info`` (``weight_version``) and
+  ``/health`` too.
 
 - vLLM 0.32's NCCL weight transfer (``entrypoints/rl/online/api_router.py``,
   ``distributed/weight_transfer/nccl_engine.py``, ``nccl_common.py``, ``packed_tensor.py``):
@@ -155,6 +159,9 @@ class SGLangStandIn(StandIn):
     def routes(self):
         return {
             ("GET", "/v1/models"): lambda body, path: {"object": "list", "data": [{"id": self.name, "object": "model"}]},
+            ("GET", "/health"): lambda body, path: {},
+            ("GET", "/get_model_info"): lambda body, path: {"model_path": self.directory,
+                                                            "weight_version": self.weight_version},
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/generate"): self.generate,
             ("POST", "/update_weights_from_disk"): self.update_weights_from_disk,
@@ -198,6 +205,8 @@ class VLLMStandIn(StandIn):
     def routes(self):
         return {
             ("GET", "/v1/models"): lambda body, path: {"object": "list", "data": [{"id": self.name, "object": "model"}]},
+            ("GET", "/health"): lambda body, path: {},
+            ("GET", "/weight_info"): lambda body, path: {"weight_version": self.weight_version},
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/inference/v1/generate"): self.generate,
             ("POST", "/pause"): self._pause,
@@ -225,6 +234,14 @@ class VLLMStandIn(StandIn):
 
     def completions(self, body, path):
         ids = body["prompt"]
+        if body.get("prompt_logprobs") is None:  # a draw: ids as "token_id:<id>" (return_tokens_as_token_ids)
+            if self.paused:
+                return 503, {"error": {"message": "the engine is paused", "code": 503}}
+            drawn, reported, _, reason = self.draw(ids, body, report_filtered=True)
+            return {"id": "cmpl-standin", "object": "text_completion", "model": body.get("model"), "choices": [{
+                "index": 0, "text": "", "finish_reason": reason, "stop_reason": None,
+                "logprobs": {"tokens": [f"token_id:{t}" for t in drawn], "token_logprobs": reported,
+                             "text_offset": [0] * len(drawn), "top_logprobs": [{} for _ in drawn]}}]}
         rows = self.log_probs_of(ids)
         prompt_logprobs = [None] + [{str(ids[i]): {"logprob": float(rows[i - 1, ids[i]]), "rank": 1}}
                                     for i in range(1, len(ids))]

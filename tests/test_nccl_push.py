@@ -111,6 +111,29 @@ def test_a_push_runs_vllms_sequence_on_every_replica_and_lands(replicas, tiny_qw
     assert publication.version == 2
 
 
+def test_a_replica_set_aside_is_left_out_and_rejoins_through_the_next_push(replicas, tiny_qwen3):
+    """An EnginePool with a timeout sets a silent replica aside: the push leaves it out (no group opened, nothing
+    asked), and since a push keeps no weights to catch one replica up, rejoin puts it back in the next push and says
+    True once it reports the published version."""
+    pretrained, variables, _ = tiny_qwen3
+    engines, sender = replicas
+    push = NCCLPush(pretrained, [engine.url for engine in engines], None, sender=sender, buffer_bytes=64 * 1024)
+    publication = Publication(push)
+    publication.set_aside(engines[1].url)
+    publication.load(halved_down_proj(variables), 1)
+    assert engines[0].weight_version == "1" and engines[1].calls == [] and list(push.groups) == [engines[0].url]
+    assert set(push.published) == {engines[0].url}
+    assert not publication.rejoin(engines[1].url)  # it still serves its launch weights: in the next push, not yet back
+    publication.load(variables, 2)  # its group opens at this push
+    assert engines[0].weight_version == engines[1].weight_version == "2" and len(push.groups) == 2
+    assert publication.rejoin(engines[1].url)
+    with pytest.raises(ValueError, match="http://nowhere is not one of this push's replicas"):
+        publication.set_aside("http://nowhere")
+    push.close()
+    with pytest.raises(TypeError, match="push \\(function\\) has no replicas to set_aside"):
+        Publication(lambda variables, version: None).set_aside(engines[0].url)
+
+
 def test_a_version_mismatch_or_an_engine_without_nccl_is_refused_before_any_group(replicas, tiny_qwen3):
     pretrained, variables, _ = tiny_qwen3
     engines, sender = replicas

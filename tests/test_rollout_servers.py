@@ -401,3 +401,60 @@ def test_a_rollout_server_actor_host_checks_each_load_it_is_sent(tiny_qwen3):
         assert asyncio.run(host.version()) == 1
     finally:
         asyncio.run(host.close())
+
+
+def test_a_stalled_vllm_engine_is_set_aside_and_rejoins_caught_up(vllm_engine, tiny_qwen3):
+    """An EnginePool over the real vLLM and a second replica on the directory it serves (a stand-in: this machine
+    runs one real engine per session). The real engine's processes are SIGSTOPped: its draws fail as ServerDied
+    within the pool's timeout and are drawn again on the other replica, and a load leaves it out instead of waiting
+    on it. After SIGCONT it is reloaded from the directory, passes the landing check and takes draws again."""
+    import os
+    import signal
+
+    from dew.inference import EnginePool, ServerDied
+    from dew.inference.safetensors_reload import served_version
+
+    pretrained, variables, _ = tiny_qwen3
+    timeout = 2.0
+    with VLLMStandIn(vllm_engine.model) as other:
+        push = SafetensorsReload(pretrained, vllm_engine.model, [vllm_engine.url, other.url], "vllm",
+                                 served_dtype="float32")
+        publication = Publication(push, version=0)
+        pool = EnginePool([OpenAIRolloutServer(OpenAICompletion("tiny-qwen3", engine_client(url)), Sampling(),
+                                               publication, processed_logprobs=True)
+                           for url in (vllm_engine.url, other.url)], timeout=timeout)
+        assert all(d.ids for d in [pool.submit([5, 6, 7], 4, seed=s).result(60) for s in range(4)])
+        os.killpg(vllm_engine.process.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            outcomes, redrawn = [], 0
+            for seed, future in enumerate([pool.submit([5 + s, 6, 7], 4, seed=s) for s in range(6)]):
+                try:
+                    outcomes.append(future.result(60))
+                except ServerDied as error:
+                    assert f"{vllm_engine.url} was set aside" in str(error)
+                    outcomes.append(pool.submit([5 + seed, 6, 7], 4, seed=seed).result(60))  # drawn again
+                    redrawn += 1
+            assert time.monotonic() - began < 8 * timeout and pool.aside() == [0] and pool.live() == [1]
+            assert redrawn == 3 and all(d.ids for d in outcomes)  # the least busy first: every other draw was its
+            changed = halved_down_proj(variables)
+            began = time.monotonic()
+            pool.load(changed, 1)  # the stopped engine is neither waited on nor pushed to
+            assert time.monotonic() - began < 30 and pool.version == 1 and other.weight_version == "1"
+            assert set(push.published) == {other.url}
+        finally:
+            os.killpg(vllm_engine.process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while pool.aside() and time.monotonic() < deadline:  # probed until it answers, then caught up on version 1
+            time.sleep(0.2)
+        assert pool.live() == [0, 1]
+        assert push.published[vllm_engine.url] < 1e-4  # its landing check passed on the changed weights
+        assert served_version(vllm_engine.url, "vllm", 30) == "1"
+        assert all(d.version == 1 and d.ids for d in [pool.submit([5, 6, 7], 4, seed=s).result(60) for s in range(6)])
+        pool.load(variables, 2)  # the session's engine serves the launch weights again
+        pool.close()
+    plain = Publication(lambda variables, version: None)
+    with pytest.raises(ValueError, match=r"EnginePool\(timeout=2.0\) sets silent replicas aside, which needs a "
+                                         "publisher that can leave one out"):
+        EnginePool([OpenAIRolloutServer(OpenAICompletion("tiny-qwen3", engine_client(vllm_engine.url)), Sampling(),
+                                        plain, processed_logprobs=True)], timeout=timeout)

@@ -2,6 +2,8 @@
 
 Native: :class:`Server` and :class:`NativeRolloutServer`. Remote: :class:`OpenAIRolloutServer`
 (vLLM or SGLang ``/v1/completions``) and :class:`VLLMGenerateServer` (vLLM's token route).
+Replicas: :class:`ReplicaPool` (least busy first, liveness, set-aside and rejoin), which
+:class:`EnginePool` spreads draws over engines with, and the Ray layer its actors with.
 Publishing to remote engines: :class:`SafetensorsReload` (through the disk) or
 :class:`NCCLPush` (by NCCL broadcast) as the push of a :class:`Publication`, checked by a
 :class:`LandingCheck`. Agentic sessions: the recording :class:`Gateway` and the
@@ -22,7 +24,7 @@ _HOMES = {
     "engine_client": "dew.inference.openai_server",
     "engine_python": "dew.inference.engines",
     "EngineError": "dew.inference.wire",
-    "EnginePool": "dew.inference.engine_rollout_server",
+    "EnginePool": "dew.inference.engine_pool",
     "EngineRolloutServer": "dew.inference.engine_rollout_server",
     "Finished": "dew.inference.server",
     "Gateway": "dew.inference.gateway",
@@ -30,12 +32,14 @@ _HOMES = {
     "Generation": "dew.inference.generation",
     "LandingCheck": "dew.inference.landing",
     "LandingError": "dew.inference.landing",
+    "PooledRolloutServer": "dew.inference.replica_pool",
     "NativeRolloutServer": "dew.inference.rollout_server",
     "NCCLPush": "dew.inference.nccl_push",
     "OpenAICompletion": "dew.inference.openai_server",
     "OpenAIFront": "dew.inference.http",
     "OpenAIRolloutServer": "dew.inference.openai_server",
     "Publication": "dew.inference.safetensors_reload",
+    "ReplicaPool": "dew.inference.replica_pool",
     "RolloutServer": "dew.inference.rollout_server",
     "SafetensorsReload": "dew.inference.safetensors_reload",
     "Server": "dew.inference.server",

@@ -22,13 +22,13 @@ import itertools
 import math
 import threading
 from collections.abc import Sequence
-from concurrent.futures import InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from dew.inference.publisher import WeightPublisher
-from dew.inference.rollout_server import Draw, DrawFuture, RolloutServer
-from dew.inference.wire import EngineError
+from dew.inference.rollout_server import Draw, DrawFuture, RolloutServer, ServerDied, settle
+from dew.inference.wire import EngineError, EngineUnreachable, call
 from dew.records.actions import token_ids
 from dew.sampling import Sampling
 from dew.validation import positive_int
@@ -51,10 +51,14 @@ class EngineRolloutServer(PublishedRolloutServer):
     """A RolloutServer over an engine in another process (see the module docstring).
 
     Subclasses give ``_draw(prompt, max_new_tokens, seed, version) -> Draw``, run on one
-    of ``workers`` threads; ``url`` names the engine in every error.
+    of ``workers`` threads; ``url`` names the engine in every error; ``root`` is the
+    engine's root URL (default ``url``), where :meth:`probe` asks ``/health``. ``died``
+    turns true when the engine refuses a draw's connection (its process is gone), before
+    that draw's future is set, so a pool never chooses it again.
     """
 
-    def __init__(self, url: str, sampling: Sampling, weights: WeightPublisher, workers: int = 64):
+    def __init__(self, url: str, sampling: Sampling, weights: WeightPublisher, workers: int = 64,
+                 root: str | None = None):
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}")
         if not isinstance(weights, WeightPublisher):
@@ -63,11 +67,11 @@ class EngineRolloutServer(PublishedRolloutServer):
             )
         positive_int("workers", workers)
         self.url, self.sampling, self.weights = url, sampling, weights
+        self.root = (root or url).rstrip("/")
+        self.died = False
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dew-remote-rollout")
         self._numbers = itertools.count()
         self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self.in_flight = 0
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
         if self._closed.is_set():
@@ -84,21 +88,33 @@ class EngineRolloutServer(PublishedRolloutServer):
                     return
                 draw = self._draw(prompt, max_new_tokens, int(seed), version)
             except BaseException as error:  # the caller learns why from the future
-                _settle(future, error=error)
+                if refused(error):
+                    self.died = True
+                settle(future, error=error)
             else:
-                _settle(future, draw=draw)
-            finally:
-                with self._lock:
-                    self.in_flight -= 1
+                settle(future, draw)
 
-        with self._lock:
-            self.in_flight += 1
         self._pool.submit(run)
         return future
 
+    def probe(self, timeout: float | None) -> bool | None:
+        """True when the engine answers ``GET /health`` within ``timeout`` seconds, None when it answers nothing;
+        ServerDied when it is gone (it refuses the connection, or reports itself unhealthy)."""
+        try:
+            status, _ = call(f"{self.root}/health", method="GET", timeout=timeout)
+        except EngineUnreachable as error:
+            if error.timed_out:
+                return None
+            self.died = True
+            raise ServerDied(str(error)) from None
+        if status != 200:
+            self.died = True
+            raise ServerDied(f"{self.root}: /health answered HTTP {status}: the engine reports itself unhealthy")
+        return True
+
     def cancel(self, draw: DrawFuture) -> None:
         """Resolve ``draw`` as cancelled now; a request already at the engine runs to its end there, unread."""
-        _settle(draw, draw=Draw(ids=[], behavior_log_probs=[], old_log_probs=None, eos=False,
+        settle(draw, Draw(ids=[], behavior_log_probs=[], old_log_probs=None, eos=False,
                                 version=self.weights.version, finish_reason="cancelled"))
 
     def close(self) -> None:
@@ -127,45 +143,15 @@ class EngineRolloutServer(PublishedRolloutServer):
                     version=version, finish_reason=reason, support=support, routed_experts=routed_experts)
 
 
-class EnginePool(PublishedRolloutServer):
-    """Draws spread over replicas that share one publisher: the replica with the fewest draws in flight
-    takes the next; ``load`` publishes once, through that publisher, to all of them."""
-
-    def __init__(self, servers: Sequence[EngineRolloutServer]):
-        self.servers = list(servers)
-        if not self.servers:
-            raise ValueError("EnginePool needs at least one server")
-        self.weights = self.servers[0].weights
-        if any(server.weights is not self.weights for server in self.servers):
-            raise ValueError("every replica of an EnginePool must share one publisher (its weights), "
-                             "so one push serves them all and the version is one")
-        self._owner: dict[int, EngineRolloutServer] = {}
-
-    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DrawFuture:
-        server = min(self.servers, key=lambda s: s.in_flight)
-        future = server.submit(prompt_ids, max_new_tokens, seed)
-        self._owner[id(future)] = server
-        future.add_done_callback(lambda done: self._owner.pop(id(done), None))
-        return future
-
-    def cancel(self, draw: DrawFuture) -> None:
-        server = self._owner.get(id(draw))
-        if server is not None:
-            server.cancel(draw)
-
-    def close(self) -> None:
-        for server in self.servers:
-            server.close()
-
-
-def _settle(future: DrawFuture, *, draw: Draw | None = None, error: BaseException | None = None) -> None:
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(draw)
-    except InvalidStateError:  # a cancel (or the answer) got there first; the first word stands
-        pass
+def refused(error: BaseException) -> bool:
+    """Whether ``error`` (or what it was raised from or during) is a refused connection: the engine is gone."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, ConnectionRefusedError) or isinstance(getattr(error, "reason", None),
+                                                                   ConnectionRefusedError):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
 
 
 def decode_routed_experts(url: str, value) -> np.ndarray | None:

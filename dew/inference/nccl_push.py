@@ -25,6 +25,13 @@ pause leaves the replica paused, as with the reload. A transfer that fails or st
 aborts every group, and later pushes refuse until the replicas and the push are
 restarted, since the engine's side of an aborted group cannot be reused.
 
+A replica can be left out of pushes while it does not answer (``set_aside(url)``, which an
+:class:`~dew.inference.EnginePool` with a timeout calls). A push cannot catch one replica up
+on its own (it keeps no weights between pushes), so ``rejoin(url, version)`` includes the
+replica in the next push again and says True once it reports ``version``
+(``GET /weight_info``): a replica that stalls again during that push fails it, as above.
+A replica's group opens at the first push that includes it.
+
 Every process of a multi-process trainer calls the push: the tree is gathered to host
 memory leaf by leaf (``collective_host``), and the process holding the first device
 exports and sends from it; all processes agree on the outcome. Then, unless
@@ -48,7 +55,15 @@ import numpy as np
 
 from dew.inference.landing import LandingCheck
 from dew.inference.nccl import NCCLSender
-from dew.inference.safetensors_reload import PAUSED, each_replica, land, on_one_process, vllm_commit, vllm_pause
+from dew.inference.safetensors_reload import (
+    PAUSED,
+    each_replica,
+    land,
+    on_one_process,
+    served_version,
+    vllm_commit,
+    vllm_pause,
+)
 from dew.inference.wire import EngineError, expect
 from dew.models.pretrained import Pretrained
 from dew.sharding import collective_host
@@ -117,6 +132,7 @@ class NCCLPush:
         self.landing = landing or None
         self.published: dict[str, float] = {}
         self.groups: dict[str, int] = {}
+        self.aside: set[str] = set()
         self._broken: str | None = None
 
     def __call__(self, variables, version: int) -> None:
@@ -133,25 +149,41 @@ class NCCLPush:
         self.groups = {}
         self._broken = self._broken or "the push was closed"
 
+    def set_aside(self, url: str) -> None:
+        """Leave replica ``url`` out of pushes until ``rejoin``."""
+        if url not in self.engines:
+            raise ValueError(f"{url} is not one of this push's replicas {self.engines}")
+        self.aside.add(url)
+
+    def rejoin(self, url: str, version: int) -> bool:
+        """Include replica ``url`` in the next push; True once it reports ``version`` (see the module docstring)."""
+        self.aside.discard(url)
+        return served_version(url, "vllm", self.timeout) == str(version)
+
     def _publish(self, variables, version: int) -> None:
         if self._broken is not None:
             raise EngineError(f"this NCCLPush cannot push version {version}: {self._broken}; restart the replicas "
                               "and make a new NCCLPush")
+        targets = [url for url in self.engines if url not in self.aside]
+        if not targets:
+            raise EngineError(f"no replica to push version {version} to: all {len(self.engines)} are set aside")
         tensors = self.pretrained.export(variables, self.served_dtype)
-        if not self.groups:
+        closed = [url for url in targets if url not in self.groups]
+        if closed:
             try:
-                self._open()
+                self._open(closed)
             except BaseException as error:
                 if self.groups:  # a replica joined: its side of the group cannot be reused
                     self._break(f"opening the groups failed ({error})")
                 raise
-        each_replica(self.engines, self._start, f"starting the weight update of version {version}")
-        self._transfer(tensors, version)
-        each_replica(self.engines, lambda url: self._finish(url, version), f"finishing the update of version {version}")
+        each_replica(targets, self._start, f"starting the weight update of version {version}")
+        self._transfer(tensors, version, targets)
+        each_replica(targets, lambda url: self._finish(url, version), f"finishing the update of version {version}")
         if self.landing is not None:
-            self.published = land(self.landing, self.engines, "vllm", variables, version, self.timeout)
+            self.published = land(self.landing, targets, "vllm", self.landing.expected(variables), version,
+                                  self.timeout)
 
-    def _open(self) -> None:
+    def _open(self, engines: Sequence[str]) -> None:
         """Check each replica's NCCL and join one group per replica as rank 0."""
         ours = self.sender.version()
         sizes = {}
@@ -167,8 +199,8 @@ class NCCLPush:
                                   "NCCL refuses a peer of another version: pass the engine's own libnccl.so.2")
             sizes[url] = workers + 1
 
-        each_replica(self.engines, check, "checking the replicas' NCCL")
-        for url in self.engines:
+        each_replica(engines, check, "checking the replicas' NCCL")
+        for url in engines:
             unique_id = self.sender.unique_id()
             init_info = {"nccl_unique_id_b64": base64.b64encode(unique_id).decode("ascii"), "rank_offset": 1,
                          "world_size": sizes[url], "packed": True, "packed_buffer_size_bytes": self.buffer_bytes,
@@ -186,17 +218,17 @@ class NCCLPush:
         vllm_pause(url, self.timeout)
         expect(f"{url}/start_weight_update", timeout=self.timeout, rule=PAUSED)
 
-    def _transfer(self, tensors: dict[str, np.ndarray], version: int) -> None:
-        """``/update_weights`` on every replica while the chunks are broadcast to every group."""
+    def _transfer(self, tensors: dict[str, np.ndarray], version: int, engines: Sequence[str]) -> None:
+        """``/update_weights`` on every replica pushed to while the chunks are broadcast to their groups."""
         update_info = {"names": list(tensors), "dtype_names": [self.served_dtype] * len(tensors),
                        "shapes": [list(value.shape) for value in tensors.values()]}
-        communicators = [self.groups[url] for url in self.engines]
-        pool = ThreadPoolExecutor(len(self.engines))
+        communicators = [self.groups[url] for url in engines]
+        pool = ThreadPoolExecutor(len(engines))
         try:
             updates: dict[str, Future] = {
                 url: pool.submit(expect, f"{url}/update_weights", {"update_info": update_info},
                                  timeout=self.timeout, rule=PAUSED)
-                for url in self.engines}
+                for url in engines}
             try:
                 for names in chunks(tensors, self.buffer_bytes):
                     refused = [url for url, update in updates.items() if update.done() and update.exception()]

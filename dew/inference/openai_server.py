@@ -154,7 +154,8 @@ class OpenAIRolloutServer(EngineRolloutServer):
                  processed_logprobs: bool = False, routing: bool = False, workers: int = 64, timeout: float = 600.0):
         if not isinstance(completion, OpenAICompletion):
             raise TypeError(f"completion must be an OpenAICompletion, got {type(completion).__name__}")
-        super().__init__(completion.url, sampling, weights, workers)
+        root = completion.url.removesuffix("/v1")  # the client's base URL is the engine's /v1
+        super().__init__(completion.url, sampling, weights, workers, root=root)
         filters = [f"{name}={getattr(sampling, name)}" for name in ("top_k", "top_p", "min_p")
                    if getattr(sampling, name) is not None]
         if completion.provider == "vllm":

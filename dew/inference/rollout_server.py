@@ -26,7 +26,7 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
 
@@ -59,6 +59,18 @@ class DrawFuture(Future):
     """The future of a :class:`Draw`; ``request`` is the server's number for it."""
 
     request: int = -1
+
+
+def settle(future: Future, result=None, error: BaseException | None = None) -> None:
+    """Resolve ``future`` with ``error`` or ``result``, unless it is resolved already: a cancel or a pool that
+    abandoned the draw got there first, and the first word stands."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 class RolloutServer(WeightPublisher):

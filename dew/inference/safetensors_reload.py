@@ -23,10 +23,18 @@ Then, unless ``landing=False``, every replica scores the landing probe and must 
 the trainer (:class:`~dew.inference.landing.LandingCheck`). Any failure raises an
 EngineError naming each failed replica and the rule.
 
+A replica can be left out of pushes while it does not answer (``set_aside(url)``, which an
+:class:`~dew.inference.EnginePool` with a timeout calls); ``rejoin(url, version)`` takes it
+back once it serves ``version`` (the version it reports: vLLM's ``GET /weight_info``,
+SGLang's ``GET /get_model_info``), first catching it up when the directory holds that
+version and this process wrote it: the replica sequence, then the landing check against
+the probe values of that push.
+
 ``Publication(push, version=v0, stamp=None)`` makes a push a :class:`WeightPublisher`:
 ``load(variables, v)`` runs the push, then the stamp, and moves ``version`` to ``v`` only
 when both succeed. Construction stamps ``v0``, so a stamp an earlier run left behind never
-labels this run's calls.
+labels this run's calls. ``set_aside`` and ``rejoin`` reach the push's replicas (a push
+that has none refuses them).
 
 On a multi-process trainer every process calls the push (with the RolloutScheduler:
 ``push="each"``): the tree is gathered to host memory (``collective_host``), process 0
@@ -39,6 +47,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,6 +101,9 @@ class SafetensorsReload:
             landing = LandingCheck(pretrained.model(), served_dtype=served_dtype)
         self.landing = landing or None
         self.published: dict[str, float] = {}
+        self.aside: set[str] = set()
+        self._written: tuple[int, object] | None = None  # the directory's version and its landing probe values
+        self._lock = threading.Lock()  # a catch-up never reads the directory while a push rewrites it
 
     def write(self, variables) -> None:
         """Write ``variables`` into ``directory`` (bfloat16), each file moved in whole; no engine is told."""
@@ -114,11 +126,39 @@ class SafetensorsReload:
         on_one_process(f"the safetensors reload of version {version}", lambda: self._publish(host, version))
 
     def _publish(self, variables, version: int) -> None:
-        self.write(variables)
-        sequence = self._vllm if self.engine == "vllm" else self._sglang
-        each_replica(self.engines, lambda url: sequence(url, version), f"reloading version {version}")
-        if self.landing is not None:
-            self.published = land(self.landing, self.engines, self.engine, variables, version, self.timeout)
+        with self._lock:
+            targets = [url for url in self.engines if url not in self.aside]
+            if not targets:
+                raise EngineError(f"no replica to publish version {version} to: all {len(self.engines)} are set "
+                                  f"aside ({', '.join(sorted(self.aside))})")
+            self.write(variables)
+            expected = None if self.landing is None else self.landing.expected(variables)
+            self._written = (version, expected)
+            sequence = self._vllm if self.engine == "vllm" else self._sglang
+            each_replica(targets, lambda url: sequence(url, version), f"reloading version {version}")
+            if self.landing is not None:
+                self.published = land(self.landing, targets, self.engine, expected, version, self.timeout)
+
+    def set_aside(self, url: str) -> None:
+        """Leave replica ``url`` out of pushes until ``rejoin(url)``."""
+        if url not in self.engines:
+            raise ValueError(f"{url} is not one of this push's replicas {self.engines}")
+        self.aside.add(url)
+
+    def rejoin(self, url: str, version: int) -> bool:
+        """Include replica ``url`` in pushes again if it serves ``version``, caught up first when this process wrote
+        that version (see the module docstring); an EngineError from the catch-up raises, and it stays aside."""
+        with self._lock:
+            if served_version(url, self.engine, self.timeout) != str(version) and self._written is not None \
+                    and self._written[0] == version:
+                (self._vllm if self.engine == "vllm" else self._sglang)(url, version)
+                if self.landing is not None:
+                    self.published.update(land(self.landing, [url], self.engine, self._written[1], version,
+                                               self.timeout))
+            if served_version(url, self.engine, self.timeout) != str(version):
+                return False
+            self.aside.discard(url)
+            return True
 
     def _vllm(self, url: str, version: int) -> None:
         vllm_pause(url, self.timeout)
@@ -136,6 +176,15 @@ class SafetensorsReload:
 
 
 DEV = "vLLM serves this development endpoint only with VLLM_SERVER_DEV_MODE=1"
+
+
+def served_version(url: str, engine: str, timeout: float) -> str | None:
+    """The weight version a replica reports (as the pushes stamp it): vLLM's ``GET /weight_info``, SGLang's
+    ``GET /get_model_info``."""
+    route = "/weight_info" if engine == "vllm" else "/get_model_info"
+    answer = expect(f"{url}{route}", method="GET", timeout=timeout, rule=DEV if engine == "vllm" else "")
+    version = answer.get("weight_version") if isinstance(answer, dict) else None
+    return None if version is None else str(version)
 PAUSED = f"{DEV}; the replica stays paused"
 
 
@@ -167,10 +216,10 @@ def each_replica(engines: Sequence[str], step: Callable[[str], None], what: str)
                           + "; ".join(str(error) for _, error in failed))
 
 
-def land(landing: LandingCheck, engines: Sequence[str], engine: str, variables, version: int,
+def land(landing: LandingCheck, engines: Sequence[str], engine: str, expected, version: int,
          timeout: float) -> dict[str, float]:
-    """Every replica's largest landing difference for ``variables``; raises naming each replica that disagrees."""
-    expected = landing.expected(variables)
+    """Every replica's largest landing difference from ``expected`` (``landing.expected`` of the published
+    variables); raises naming each replica that disagrees."""
     scorer = SCORERS[engine]
     gaps = {}
 
@@ -211,3 +260,23 @@ class Publication(WeightPublisher):
         if self.stamp is not None:
             on_one_process(f"stamping version {version}", lambda: self.stamp(version))
         self._version = version
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the push has replicas it can leave out and take back (SafetensorsReload, NCCLPush)."""
+        return all(callable(getattr(self.push, name, None)) for name in ("set_aside", "rejoin"))
+
+    def set_aside(self, replica: str) -> None:
+        """Leave ``replica`` out of the push's next pushes (a push with replicas: SafetensorsReload, NCCLPush)."""
+        self._replicas("set_aside").set_aside(replica)
+
+    def rejoin(self, replica: str) -> bool:
+        """Bring ``replica`` back into the pushes once it serves this publication's version (caught up first if the
+        push can do it now); True when it does."""
+        return self._replicas("rejoin").rejoin(replica, self._version)
+
+    def _replicas(self, what: str):
+        if not callable(getattr(self.push, what, None)):
+            raise TypeError(f"this Publication's push ({type(self.push).__name__}) has no replicas to {what}: "
+                            "SafetensorsReload and NCCLPush have")
+        return self.push

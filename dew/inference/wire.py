@@ -18,11 +18,21 @@ class EngineError(RuntimeError):
     """An engine was unreachable, refused a request, or answered something dew cannot use."""
 
 
+class EngineUnreachable(EngineError):
+    """No answer came: ``timed_out`` when the engine did not answer in time (stalled, or slow), otherwise it
+    refused the connection or could not be reached at all."""
+
+    def __init__(self, message: str, timed_out: bool):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
 def call(url: str, body: Any = None, *, method: str = "POST", timeout: float = 120.0) -> tuple[int, Any]:
     """``(status, answer)`` of one request; the answer is parsed JSON, or the raw text when it is not JSON.
 
     A status the engine chose (4xx, 5xx) is returned, not raised: each caller knows
-    which ones its rule refuses. An engine that cannot be reached raises EngineError.
+    which ones its rule refuses. An engine that cannot be reached, or does not answer
+    within ``timeout`` seconds, raises EngineUnreachable.
     """
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -33,7 +43,8 @@ def call(url: str, body: Any = None, *, method: str = "POST", timeout: float = 1
         return error.code, _parse(error.read())
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
-        raise EngineError(f"{url}: the engine is unreachable ({reason})") from None
+        raise EngineUnreachable(f"{url}: the engine is unreachable ({reason})",
+                                timed_out=isinstance(error, TimeoutError) or isinstance(reason, TimeoutError)) from None
 
 
 def expect(url: str, body: Any = None, *, method: str = "POST", timeout: float = 120.0, rule: str = "") -> Any:

@@ -9,7 +9,7 @@ waits in the actor's event loop while the source's threads run it.
 
 In the trainer process :class:`RemoteEnvironmentSource` is the SessionSource the
 RolloutScheduler talks to: each sample of a group goes to the worker with the fewest
-sessions in flight, numbered within the group so identities and seeds never repeat
+sessions in flight (a :class:`~dew.inference.replica_pool.ReplicaPool`), numbered within the group so identities and seeds never repeat
 across workers; ``cancel`` reaches the session on its worker (mid-draw included). A
 worker that dies resolves its sessions as INFRA_ERROR, which the scheduler submits
 again, to the workers still alive.
@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError
 
 from dew.collection.sources import EnvironmentSource
 from dew.records.session_records import Session, SessionSource, Status, Task
-from dew_ray.actors._pool import LeastBusy
+from dew.inference.replica_pool import ReplicaPool, Ticket
 from dew_ray.actors.keyed_calls import KeyedCalls
 from dew_ray.actors.rollout_server_actor import RemoteRolloutServer, ServerPool
 from dew.validation import positive_int
@@ -89,7 +89,8 @@ class RemoteEnvironmentSource(SessionSource):
         if not self.workers:
             raise ValueError("RemoteEnvironmentSource needs at least one EnvironmentWorker")
         self._lock = threading.Lock()
-        self._choice = LeastBusy(len(self.workers), "environment worker")
+        self.replicas = ReplicaPool([f"environment worker {i}" for i in range(len(self.workers))],
+                                    what="environment worker", work="sessions")
         self._where: dict[Future, tuple[int, str]] = {}
 
     def submit(self, task: Task, group: int, samples: int) -> list[Future]:
@@ -97,18 +98,20 @@ class RemoteEnvironmentSource(SessionSource):
 
     def _start(self, task: Task, group: int, sample: int) -> Future:
         future: Future = Future()
-        index, key = self._choice.take(), uuid.uuid4().hex
+        ticket, key = self.replicas.take(), uuid.uuid4().hex
+        index = ticket.replica
         with self._lock:
             self._where[future] = (index, key)
         ref = self.workers[index].run.remote(key, task, group, sample)
-        ref.future().add_done_callback(lambda done: self._finish(future, done, index, task, group, sample))
+        ref.future().add_done_callback(lambda done: self._finish(future, done, ticket, task, group, sample))
         return future
 
-    def _finish(self, future: Future, done: Future, index: int, task: Task, group: int, sample: int) -> None:
+    def _finish(self, future: Future, done: Future, ticket: Ticket, task: Task, group: int, sample: int) -> None:
         with self._lock:
             self._where.pop(future, None)
         error = done.exception()
-        self._choice.release(index, died=isinstance(error, RayActorError))
+        index = ticket.replica
+        self.replicas.release(ticket, died=isinstance(error, RayActorError))
         if error is None:
             future.set_result(done.result())
             return
@@ -125,4 +128,5 @@ class RemoteEnvironmentSource(SessionSource):
 
     @property
     def live(self) -> int:
-        return self._choice.live
+        """How many workers still take sessions."""
+        return len(self.replicas.live())

@@ -5,7 +5,7 @@ process (create it with ``max_concurrency`` at least its ``workers``, which
 :func:`start_sandbox_runners` does). :class:`RemoteFleet` has the fleet's interface
 (``submit``, ``run``, ``map``), so CodeReward scores on a pool of actors exactly as it
 does on a local fleet. The program goes to the live actor with the fewest programs in
-flight; ``submit`` blocks once every actor's workers are busy and ``queued`` more are
+flight (a :class:`~dew.inference.replica_pool.ReplicaPool`); ``submit`` blocks once every actor's workers are busy and ``queued`` more are
 waiting (backpressure, as the local fleet). A program whose actor dies runs again on
 another actor, up to ``retries`` times; a program's own failure is an Outcome, never
 retried.
@@ -21,7 +21,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from dew.sandbox import Outcome, Program, SandboxFleet, SandboxLimits, default_runner
-from dew_ray.actors._pool import LeastBusy
+from dew.inference.replica_pool import ReplicaPool, Ticket
 from dew.validation import positive_int
 
 
@@ -64,7 +64,8 @@ class RemoteFleet:
         self.retries = retries
         self._slots = threading.Semaphore(workers * len(self.actors) + queued)
         self._lock = threading.Lock()
-        self._choice = LeastBusy(len(self.actors), "sandbox runner")
+        self.replicas = ReplicaPool([f"sandbox runner {i}" for i in range(len(self.actors))], what="sandbox runner",
+                                    work="programs")
         self.reruns = 0  # programs run again because their actor died
 
     def submit(self, program: Program) -> Future:
@@ -81,13 +82,14 @@ class RemoteFleet:
         return future
 
     def _start(self, program: Program, future: Future, attempt: int) -> None:
-        index = self._choice.take()
-        ref = self.actors[index].run.remote(program)
-        ref.future().add_done_callback(lambda done: self._finish(program, future, attempt, index, done))
+        ticket = self.replicas.take()
+        ref = self.actors[ticket.replica].run.remote(program)
+        ref.future().add_done_callback(lambda done: self._finish(program, future, attempt, ticket, done))
 
-    def _finish(self, program: Program, future: Future, attempt: int, index: int, done: Future) -> None:
+    def _finish(self, program: Program, future: Future, attempt: int, ticket: Ticket, done: Future) -> None:
         error = done.exception()
-        self._choice.release(index, died=isinstance(error, RayActorError))
+        index = ticket.replica
+        self.replicas.release(ticket, died=isinstance(error, RayActorError))
         if error is None:
             future.set_result(done.result())
             return
@@ -113,4 +115,5 @@ class RemoteFleet:
 
     @property
     def live(self) -> int:
-        return self._choice.live
+        """How many runners still take programs."""
+        return len(self.replicas.live())

@@ -85,9 +85,10 @@ def start_vllm_engines(model: str, count: int, *, name: str = "dew", placement=N
 
 def vllm_rollouts(pretrained: Pretrained, directory: str, urls: Sequence[str], sampling: Sampling, *,
                   name: str = "dew", version: int = 0, served_dtype: str = "float32",
-                  nccl_library: str | None = None) -> EnginePool:
+                  nccl_library: str | None = None, timeout: float | None = None) -> EnginePool:
     """Rollouts from vLLM engines at ``urls`` serving ``directory``, published by a SafetensorsReload there,
-    or, with ``nccl_library`` (the engines' own ``libnccl.so.2``), by an NCCLPush from this process's first GPU.
+    or, with ``nccl_library`` (the engines' own ``libnccl.so.2``), by an NCCLPush from this process's first GPU;
+    ``timeout``: the EnginePool's (how long an engine may answer nothing before it is set aside).
 
     The engines must run with ``--logprobs-mode processed_logprobs`` when ``sampling``
     transforms (OpenAIRolloutServer's rule), and with ``--weight-transfer-config
@@ -101,4 +102,4 @@ def vllm_rollouts(pretrained: Pretrained, directory: str, urls: Sequence[str], s
     return EnginePool([
         OpenAIRolloutServer(OpenAICompletion(name, engine_client(url)), sampling, publication, processed_logprobs=True)
         for url in urls
-    ])
+    ], timeout=timeout)

@@ -42,10 +42,10 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     ``<run_dir>/verl_rows/update-<step>.jsonl``, beside ``metrics.jsonl``. eval_points: how
     many times during training the held-out reward is measured besides before and after
     (evenly spaced updates; ``held_out.jsonl`` and the plot), 0 for before and after only.
-    server_timeout: seconds a native rollout server may answer nothing while draws or a weight
-    load wait on it before the pools set it aside (its draws are drawn again on the others;
-    it rejoins once it answers and has loaded the current weights:
-    :class:`~dew_ray.actors.ServerPool`).
+    server_timeout: seconds a rollout server (native, or a vLLM engine) may answer nothing while
+    draws or a weight load wait on it before the pools set it aside (its draws are drawn again
+    on the others; it rejoins once it answers and serves the current weights:
+    :class:`~dew_ray.actors.ServerPool`, :class:`~dew.inference.EnginePool`).
     trackers, wandb_project, wandb_mode: experiment trackers that get every ``metrics.jsonl``
     row from the driver (:class:`dew.experiment_trackers.TrackerOptions`): TensorBoard event
     files in ``<run_dir>/tensorboard``, a W&B run in ``<run_dir>/wandb``.

@@ -71,7 +71,7 @@ def engine_rollouts(setup: Setup, version: int, push: str = "reload"):
     library = config.nccl_library or str(next(engine_dir("vllm").glob(BUNDLED_NCCL), engine_dir("vllm") / BUNDLED_NCCL))
     return vllm_rollouts(Pretrained.from_model(setup.model), engine_policy(setup.run_dir), setup.engines, sampling,
                          name=ENGINE_MODEL, version=version, served_dtype=config.engine_dtype,
-                         nccl_library=library if push == "nccl" else None)
+                         nccl_library=library if push == "nccl" else None, timeout=config.server_timeout)
 
 
 def prompt_length(rows: list[dict], tokenizer) -> int:
