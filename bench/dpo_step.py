@@ -1,6 +1,6 @@
 """DPO step throughput and peak memory: dew against TRL's DPOTrainer, and DPO against SFT.
 
-Model: the 12.6M-parameter Qwen3-shaped decoder of shared/PERF.md (vocab 8192, hidden 384,
+Model: the bench's 12.6M-parameter Qwen3-shaped decoder (vocab 8192, hidden 384,
 6 layers, 6 heads, 2 KV heads, head_dim 64, MLP 1024, tied embeddings), fp32, AdamW.
 Batch: 8 preference pairs of 64 ids a side (31 prompt ids, 32 completion ids and EOS),
 beta 0.1. Each measurement runs in a fresh process, so its peak resident memory

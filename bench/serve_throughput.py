@@ -1,6 +1,6 @@
 """Native Server generation throughput against vLLM (CPU) and transformers' generate on the same weights.
 
-Model: the 12.6M-parameter Qwen3-shaped decoder of shared/PERF.md, randomly initialised
+Model: the bench's 12.6M-parameter Qwen3-shaped decoder (bench/sft_step.py gives its shape), randomly initialised
 in dew, exported with Pretrained.save for the peer. Prompts of 16 to 48 ids (mixed
 lengths), top-k 50, no EOS stop, served in float32 and in bfloat16 (dew: bfloat16
 weights and weight products with float32 accumulation; the peer: the model loaded in

@@ -1,6 +1,6 @@
 """SFT training-step throughput: dew against TRL's SFTTrainer and a plain torch loop, same model and batch.
 
-Model: the Qwen3-shaped decoder of shared/PERF.md (vocab 8192, hidden 384, 6 layers,
+Model: the bench's Qwen3-shaped decoder (vocab 8192, hidden 384, 6 layers,
 6 heads, 2 KV heads, head_dim 64, MLP 1024, tied embeddings, 12.6M parameters),
 randomly initialised; 8 rows of 128 tokens; AdamW; 2 threads. Entries, each measured in
 a fresh process (so its peak resident memory is its own), interleaved round by round:

@@ -1,6 +1,6 @@
 """What the torch and TRL peers of the step benchmarks share (run in .venv-ref).
 
-The 12.6M-parameter Qwen3-shaped decoder of shared/PERF.md, randomly initialised, a
+The bench's 12.6M-parameter Qwen3-shaped decoder (bench/sft_step.py gives its shape), randomly initialised, a
 word-level tokenizer over its 8,192 ids (``w0`` ... ``w8191``; TRL needs a processing
 class, the ids are given already tokenized or as those words), TRL's two configurations
 and a callback that times TRL's steps.

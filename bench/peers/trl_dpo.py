@@ -1,6 +1,6 @@
 """Peer for bench/dpo_step.py: TRL's DPOTrainer on the same model shape and pairs (run in .venv-ref).
 
-The 12.6M-parameter Qwen3-shaped decoder of shared/PERF.md, randomly initialised, with a
+The bench's 12.6M-parameter Qwen3-shaped decoder (bench/sft_step.py gives its shape), randomly initialised, with a
 word-level tokenizer over its 8,192 ids ("w0" ... "w8191"), so the pairs are the same
 ids dew trains on: 8 pairs, 31 prompt ids, 32 completion ids and EOS (64 ids a side),
 beta 0.1, AdamW, 2 threads. ``mode`` picks TRL's configuration:

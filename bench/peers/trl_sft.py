@@ -1,6 +1,6 @@
 """Peer for bench/sft_step.py: TRL's SFTTrainer on the same model and batch (run in .venv-ref).
 
-The 12.6M-parameter Qwen3-shaped decoder of shared/PERF.md, randomly initialised; 8 rows
+The bench's 12.6M-parameter Qwen3-shaped decoder (bench/sft_step.py gives its shape), randomly initialised; 8 rows
 of 128 token ids, given already tokenized (an ``input_ids`` column, so TRL runs no
 tokenizer), AdamW, 2 threads. ``mode`` picks TRL's configuration:
 

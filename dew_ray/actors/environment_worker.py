@@ -24,11 +24,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import ray
-from ray.exceptions import RayActorError
 
 from dew.collection.sources import EnvironmentSource
 from dew.records.session_records import Session, SessionSource, Status, Task
-from dew.inference.replica_pool import ReplicaPool, Ticket
+from dew_ray.actors.actor_replicas import ActorReplicas
 from dew_ray.actors.keyed_calls import KeyedCalls
 from dew_ray.actors.rollout_server_actor import RemoteRolloutServer, ServerPool
 from dew.validation import positive_int
@@ -89,8 +88,7 @@ class RemoteEnvironmentSource(SessionSource):
         if not self.workers:
             raise ValueError("RemoteEnvironmentSource needs at least one EnvironmentWorker")
         self._lock = threading.Lock()
-        self.replicas = ReplicaPool([f"environment worker {i}" for i in range(len(self.workers))],
-                                    what="environment worker", work="sessions")
+        self.replicas = ActorReplicas(self.workers, "environment worker", "sessions")
         self._where: dict[Future, tuple[int, str]] = {}
 
     def submit(self, task: Task, group: int, samples: int) -> list[Future]:
@@ -98,20 +96,21 @@ class RemoteEnvironmentSource(SessionSource):
 
     def _start(self, task: Task, group: int, sample: int) -> Future:
         future: Future = Future()
-        ticket, key = self.replicas.take(), uuid.uuid4().hex
-        index = ticket.replica
-        with self._lock:
-            self._where[future] = (index, key)
-        ref = self.workers[index].run.remote(key, task, group, sample)
-        ref.future().add_done_callback(lambda done: self._finish(future, done, ticket, task, group, sample))
+        key = uuid.uuid4().hex
+
+        def run(index, worker):
+            with self._lock:  # where it runs is known before it starts: a cancel always reaches it
+                self._where[future] = (index, key)
+            return worker.run.remote(key, task, group, sample)
+
+        index, done = self.replicas.call(run)
+        done.add_done_callback(lambda done: self._finish(future, done, index, task, group, sample))
         return future
 
-    def _finish(self, future: Future, done: Future, ticket: Ticket, task: Task, group: int, sample: int) -> None:
+    def _finish(self, future: Future, done: Future, index: int, task: Task, group: int, sample: int) -> None:
         with self._lock:
             self._where.pop(future, None)
         error = done.exception()
-        index = ticket.replica
-        self.replicas.release(ticket, died=isinstance(error, RayActorError))
         if error is None:
             future.set_result(done.result())
             return

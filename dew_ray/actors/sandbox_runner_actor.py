@@ -21,7 +21,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from dew.sandbox import Outcome, Program, SandboxFleet, SandboxLimits, default_runner
-from dew.inference.replica_pool import ReplicaPool, Ticket
+from dew_ray.actors.actor_replicas import ActorReplicas
 from dew.validation import positive_int
 
 
@@ -64,8 +64,7 @@ class RemoteFleet:
         self.retries = retries
         self._slots = threading.Semaphore(workers * len(self.actors) + queued)
         self._lock = threading.Lock()
-        self.replicas = ReplicaPool([f"sandbox runner {i}" for i in range(len(self.actors))], what="sandbox runner",
-                                    work="programs")
+        self.replicas = ActorReplicas(self.actors, "sandbox runner", "programs")
         self.reruns = 0  # programs run again because their actor died
 
     def submit(self, program: Program) -> Future:
@@ -82,14 +81,11 @@ class RemoteFleet:
         return future
 
     def _start(self, program: Program, future: Future, attempt: int) -> None:
-        ticket = self.replicas.take()
-        ref = self.actors[ticket.replica].run.remote(program)
-        ref.future().add_done_callback(lambda done: self._finish(program, future, attempt, ticket, done))
+        index, done = self.replicas.call(lambda index, actor: actor.run.remote(program))
+        done.add_done_callback(lambda done: self._finish(program, future, attempt, index, done))
 
-    def _finish(self, program: Program, future: Future, attempt: int, ticket: Ticket, done: Future) -> None:
+    def _finish(self, program: Program, future: Future, attempt: int, index: int, done: Future) -> None:
         error = done.exception()
-        index = ticket.replica
-        self.replicas.release(ticket, died=isinstance(error, RayActorError))
         if error is None:
             future.set_result(done.result())
             return

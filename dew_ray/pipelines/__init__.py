@@ -1,1 +1,1 @@
-"""Driver programs: python -m dew_ray.pipelines.rlvr (asynchronous RLVR on Ray)."""
+"""Driver programs: ``python -m dew_ray.pipelines.rlvr`` (asynchronous RLVR on Ray) and ``.chain`` (stage chains)."""
