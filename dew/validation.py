@@ -68,6 +68,15 @@ def one_of(name: str, value: Any, allowed: Collection) -> Any:
     return value
 
 
+def distinct(name: str, values: Collection, why: str = "") -> list:
+    """``values`` as a list, when no value repeats ("stage names must differ (...), got ['a', 'a']")."""
+    values = list(values)
+    if len(set(values)) != len(values):
+        reason = f" ({why})" if why else ""
+        raise ValueError(f"{name} must differ{reason}, got {values!r}")
+    return values
+
+
 def band(name: str, value: Any, strict: bool = False) -> tuple[float, float]:
     """``(low, high)`` as finite floats with ``0 < low <= high`` (``low < high`` when ``strict``)."""
     rule = f"a (low, high) pair with 0 < low {'<' if strict else '<='} high"

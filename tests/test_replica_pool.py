@@ -165,7 +165,7 @@ def test_a_sweep_sets_the_silent_aside_and_leaves_the_gone_out_before_a_load():
 def test_bad_pools_are_refused_by_name():
     with pytest.raises(ValueError, match="a pool of engines needs at least one"):
         ReplicaPool([], what="engine")
-    with pytest.raises(ValueError, match=r"distinct names.*\['a', 'a'\]"):
+    with pytest.raises(ValueError, match=r"names of the pool's replicas must differ \(messages.*\['a', 'a'\]"):
         ReplicaPool(["a", "a"])
     with pytest.raises(ValueError, match="needs a probe"):
         ReplicaPool(["a"], timeout=5)

@@ -16,7 +16,7 @@ import random
 
 from dew import models
 from dew.data.dataset import Dataset, Partition
-from dew.data.loading import Loading, RecordStream, batches_per_epoch, local_rows
+from dew.data.loading import Loading, row_stream
 from dew.data.document_packing import pack_documents
 
 # transformers announces at import that torch is absent; dew uses it for tokenizers only.
@@ -125,16 +125,8 @@ def story_dataset(tokenizer, seq_len: int, batch: int, count: int = 2000, val_co
             rows = slice(b * batch + partition.index, (b + 1) * batch, partition.count)
             yield {name: column[rows] for name, column in val_rows.items()}
 
-    loading = Loading(seed=seed)
-
-    def train(partition: Partition) -> RecordStream:
-        rows = local_rows(batch, partition, "story_dataset")
-        mine = {name: column[partition.index :: partition.count] for name, column in train_rows.items()}
-        per_epoch = batches_per_epoch(len(train_rows["text"]), batch, partition, "story_dataset")
-        return RecordStream(mine, rows, per_epoch, loading)
-
     return Dataset(
-        train=train,
+        train=row_stream(train_rows, batch, Loading(seed=seed), "story_dataset"),
         val=val,
         records=len(train_rows["text"]),
         batch=batch,

@@ -58,10 +58,10 @@ from typing import Any
 import numpy as np
 
 from dew.data.chat import Role
-from dew.data.dataset import Dataset, Partition
-from dew.data.loading import Loading, RecordStream, batches_per_epoch, local_rows
+from dew.data.dataset import Dataset
+from dew.data.loading import Loading, row_stream
 from dew.data.document_packing import pack_documents
-from dew.validation import positive_int
+from dew.validation import distinct, positive_int
 
 # transformers announces at import that torch is absent; dew uses it for tokenizers only.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -218,8 +218,7 @@ def verifiable_tasks(count: int, seed: int = 0, families: Sequence[str] = ("math
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if isinstance(families, str) or not families:
         raise ValueError(f"families must be a non-empty sequence of names from {sorted(_MAKERS)}, got {families!r}")
-    if len(set(families)) != len(families):
-        raise ValueError(f"families must not repeat a name, got {families!r}")
+    distinct("families", families)
     unknown = [f for f in families if f not in _MAKERS]
     if unknown:
         raise ValueError(f"unknown task families {unknown}; the built-in ones are {sorted(_MAKERS)}")
@@ -333,14 +332,7 @@ def demonstration_dataset(tokenizer, tasks: Sequence[VerifiableTask], seq_len: i
     order = sorted(range(len(documents)), key=lambda i: -len(documents[i]))
     rows = pack_documents([documents[i] for i in order], seq_len + 1, pad_id=tokenizer.pad_token_id,
                           roles=[roles[i] for i in order])
-    loading = Loading(seed=seed)
-
-    def train(partition: Partition) -> RecordStream:
-        local = local_rows(batch, partition, "demonstration_dataset")
-        mine = {name: column[partition.index :: partition.count] for name, column in rows.items()}
-        per_epoch = batches_per_epoch(len(rows["text"]), batch, partition, "demonstration_dataset")
-        return RecordStream(mine, local, per_epoch, loading)
-
+    train = row_stream(rows, batch, Loading(seed=seed), "demonstration_dataset")
     return Dataset(train=train, val=None, records=len(rows["text"]), batch=batch)
 
 

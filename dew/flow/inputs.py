@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.validation import one_of, positive_int
+from dew.validation import distinct, one_of, positive_int
 
 DTYPES = ("uint8", "float32", "int32")
 
@@ -98,9 +98,7 @@ class InputSpec:
         for item in fields:
             if not isinstance(item, Field):
                 raise TypeError(f"InputSpec takes dew.Field objects, got {type(item).__name__}")
-        names = [item.name for item in fields]
-        if len(set(names)) != len(names):
-            raise ValueError(f"InputSpec field names must differ, got {names}")
+        distinct("InputSpec field names", [item.name for item in fields])
         generated = [item for item in fields if not item.condition]
         if len(generated) != 1:
             raise ValueError(f"InputSpec needs exactly one generated field (dtype uint8 or float32), got {len(generated)}")

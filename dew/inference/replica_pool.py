@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from dew.inference.rollout_server import DrawFuture, RolloutServer, ServerDied, settle
-from dew.validation import positive
+from dew.validation import distinct, positive
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +78,7 @@ class ReplicaPool:
         self.names = [str(name) for name in names]
         if not self.names:
             raise ValueError(f"a pool of {what}s needs at least one")
-        if len(set(self.names)) != len(self.names):
-            raise ValueError(f"the pool's {what}s need distinct names (messages and publishers find them by name), "
-                             f"got {self.names}")
+        distinct(f"the names of the pool's {what}s", self.names, why="messages and publishers find them by name")
         if timeout is not None:
             positive("timeout", timeout, why="seconds, or None")
             if probe is None:

@@ -48,7 +48,7 @@ from dew.objectives.dpo import DPOObjective
 from dew.objectives.grpo import GRPOObjective
 from dew.sampling import Sampling
 from dew.trainer import Trainer, TrainState
-from dew.validation import integer, number, positive_int
+from dew.validation import distinct, integer, number, positive_int
 
 SAMPLE_OPTIONS = ("top_k", "top_p", "min_p")
 KINDS = {ChatMessages: "sft", PreferencePairs: "dpo", Prompts: "grpo"}
@@ -120,9 +120,7 @@ class Recipe:
         for stage in stages:
             if not isinstance(stage, Stage):
                 raise TypeError(f"stages must be Stage values, got {type(stage).__name__}")
-        names = [stage.name for stage in stages]
-        if len(set(names)) != len(names):
-            raise ValueError(f"stage names label their directories and must differ, got {names}")
+        distinct("stage names", [stage.name for stage in stages], why="they label their directories")
         self.model = model
         self.optimizer = optimizer
         self.key = key

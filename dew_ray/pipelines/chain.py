@@ -44,6 +44,7 @@ import ray
 from pydantic import Field, model_validator
 
 from dew.config import load_config
+from dew.validation import distinct
 from dew.experiment_trackers import MetricWriters, TrackerOptions
 from dew.models.pretrained import Pretrained
 from dew.recipes.stage_files import ModelOptions, StageSpec, decoding, export_policy, model_tokenizer, stage_of
@@ -75,9 +76,7 @@ class ChainConfig(ModelOptions, TrackerOptions):
 
     @model_validator(mode="after")
     def _distinct(self):
-        names = [stage.name for stage in self.stages]
-        if len(set(names)) != len(names):
-            raise ValueError(f"stage names label their directories and must differ, got {names}")
+        distinct("stage names", [stage.name for stage in self.stages], why="they label their directories")
         return self
 
 
