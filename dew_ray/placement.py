@@ -7,8 +7,8 @@ fails with the roles named, instead of starting half of them. ``options(role, in
 gives the scheduling options for an actor of that role in its own bundle, and, for a
 named placement, the actor's name: ``<name>-<6 hex>/<role>-<index>`` (the dashboard's
 actor list shows it; the hex keeps two runs of one name apart). The CPUs per
-role come from the pipeline config; GPU bundles will come the same way with the GPU
-engines.
+role come from the pipeline config, and so do the GPUs of the roles that ask for them
+(``trainer_gpus``, ``server_gpus``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ class SchedulerRecord:
     abandonment); waited: seconds spent waiting on rollouts; pushed: whether this call
     pushed weights; metrics: ``session_metrics`` over the admitted rollouts and their batch;
     sessions: the admitted rollouts themselves, in the order they were packed (to keep
-    them, as ``dew.objectives.rl.verl.to_verl`` rows say).
+    them, as ``dew.records.verl_rows.to_verl`` rows say).
     """
 
     version: int

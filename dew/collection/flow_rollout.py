@@ -1,7 +1,7 @@
 """``FlowRollout``: Flow-GRPO's groups of samples, scored and turned into a fixed-shape training batch.
 
 ``FlowRollout(objective, reward, groups=G, steps=S, train_steps=None)`` is the Trainer's rollout
-for :class:`~dew.objectives.rl.FlowGRPOObjective`. For a data batch of B source rows it
+for :class:`~dew.objectives.flow_grpo.FlowGRPOObjective`. For a data batch of B source rows it
 
 1. repeats each source row G times, contiguously (row b's group is rows b G .. b G + G - 1),
    and samples every row with the live policy along ``S`` time points (S - 1 stochastic

@@ -4,9 +4,11 @@ A :class:`WeightPublisher` has ``load(variables, version)``, which makes ``versi
 served policy, and ``version``, the version served now. The RolloutScheduler pushes
 through one and checks the type, not the attribute names. Every rollout server is one
 (:class:`~dew.inference.RolloutServer` derives from it: the native server loads its own
-Server); publishers that serve other processes implement it too: ``WeightBroadcast``
-(Ray actors through the object store, in ``dew_ray.weight_broadcast``), and the publishers for
-vLLM and SGLang replicas to come (safetensors reload, NCCL, a stamped Publication).
+Server), and so are the publishers that serve other processes: ``WeightBroadcast`` (Ray
+actors through the object store, in :mod:`dew_ray.weight_broadcast`) and
+:class:`~dew.inference.safetensors_reload.Publication`, the versioned face of a push to
+vLLM or SGLang replicas (:class:`~dew.inference.safetensors_reload.SafetensorsReload`
+through the disk, :class:`~dew.inference.nccl_push.NCCLPush` by NCCL broadcast).
 
 ``version`` is held by the publisher alone: a client, a pool or a broadcast that serves
 through another publisher reads that one's version rather than keeping a copy, so no

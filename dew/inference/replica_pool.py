@@ -106,10 +106,14 @@ class ReplicaPool:
             self._dead.add(index)
         return index in self._dead
 
+    def _live(self) -> list[int]:
+        """Under the lock: the replicas that take work."""
+        return [i for i in range(len(self.names)) if not self._is_dead(i) and i not in self._aside]
+
     def live(self) -> list[int]:
         """The replicas that take work: not dead, not set aside."""
         with self._lock:
-            return [i for i in range(len(self.names)) if not self._is_dead(i) and i not in self._aside]
+            return self._live()
 
     def dead(self) -> list[int]:
         with self._lock:
@@ -140,7 +144,7 @@ class ReplicaPool:
 
     def _take(self) -> Ticket | None:
         with self._lock:
-            live = [i for i in range(len(self.names)) if not self._is_dead(i) and i not in self._aside]
+            live = self._live()
             if not live:
                 return None
             index = min(live, key=lambda i: len(self._pending[i]))

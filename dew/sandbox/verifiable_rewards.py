@@ -1,8 +1,9 @@
 r"""Verifiable rewards with dew's reward signature: ``MathReward`` and ``CodeReward``.
 
 Both are called as ``reward(data_source, completion, ground_truth, extra_info) -> float``
-(what :class:`~dew.objectives.rl.SampledRollout` and :class:`~dew.objectives.rl.PromptSource` call), keep no state
-between calls and may be called from several threads at once.
+(what :class:`~dew.collection.sampled_rollout.SampledRollout` and
+:class:`~dew.collection.sources.PromptSource` call), keep no state between calls and may be
+called from several threads at once.
 
 ``MathReward`` reads the last ``\boxed{...}`` answer and compares it with the reference
 as an exact rational (``fractions.Fraction``), with a normalized-string fallback for

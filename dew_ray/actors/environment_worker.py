@@ -1,6 +1,6 @@
 """Environment workers: EnvironmentSource sessions run across Ray actors.
 
-``EnvironmentWorker`` hosts an :class:`~dew.objectives.rl.EnvironmentSource` in a Ray
+``EnvironmentWorker`` hosts an :class:`~dew.collection.sources.EnvironmentSource` in a Ray
 worker process: its sessions enter their environments there (tool processes, sandboxes
 and their files stay on that actor's node) and submit each turn to the rollout servers
 (:class:`~dew_ray.actors.ServerPool` over the RolloutServerActors), so turns of

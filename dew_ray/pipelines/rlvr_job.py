@@ -11,7 +11,7 @@ Prompts are the built-in verifiable tasks, or verl-style rows from ``prompts`` (
 the code data source run in the sandbox; every other data source is scored as math; a
 prompt may be text or chat messages, rendered by the character tokenizer's template).
 With ``verl_rows`` each process's report carries its admitted rollouts as verl
-AgentLoopOutput rows (:func:`dew.objectives.rl.verl.to_verl`).
+AgentLoopOutput rows (:func:`dew.records.verl_rows.to_verl`).
 """
 
 from __future__ import annotations
