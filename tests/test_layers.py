@@ -72,3 +72,13 @@ def test_every_import_runs_down_the_layers():
                     upward.append(f"{path.relative_to(ROOT)}:{line} ({source}) imports {target_module} ({target})")
     assert not unplaced, f"rooms with no layer in tests/test_layers.py: {sorted(unplaced)}"
     assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def test_each_module_name_says_one_concept():
+    """No module name repeats across the packages, so "where is X" is one hop from the file list."""
+    seen: dict[str, list[str]] = {}
+    for package in ("dew", "dew_ray", "dew_harbor"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path.name != "__init__.py":
+                seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
