@@ -143,7 +143,7 @@ def test_bad_generator_arguments_raise():
         verifiable_tasks(0)
     with pytest.raises(ValueError, match=r"unknown task families \['poetry'\]"):
         verifiable_tasks(2, families=("math", "poetry"))
-    with pytest.raises(ValueError, match="must not repeat"):
+    with pytest.raises(ValueError, match=r"families must differ, got \[.math., .math.\]"):
         verifiable_tasks(2, families=("math", "math"))
     with pytest.raises(ValueError, match=r"split must be one of \('train', 'held_out'\), got 'test'"):
         verifiable_tasks(2, split="test")
