@@ -305,6 +305,27 @@ def test_sglang_reload_lands_or_fails_without_moving_the_version(standin_directo
         assert publication.version == 3
 
 
+def test_an_sglang_replica_set_aside_is_skipped_then_caught_up_from_the_directory(standin_directory, tiny_qwen3):
+    # Stand-ins: SGLang's wheel needs CUDA. The replica reports its version at /get_model_info.
+    pretrained, variables, _ = tiny_qwen3
+    with SGLangStandIn(standin_directory) as first, SGLangStandIn(standin_directory) as second:
+        push = SafetensorsReload(pretrained, standin_directory, [first.url, second.url], "sglang",
+                                 served_dtype="float32")
+        publication = Publication(push)
+        publication.set_aside(second.url)
+        calls = len(second.calls)
+        publication.load(halved_down_proj(variables), 5)
+        assert first.weight_version == "5" and len(second.calls) == calls and set(push.published) == {first.url}
+        assert publication.rejoin(second.url)  # reloaded from the directory the push wrote, then landing-checked
+        assert second.weight_version == "5" and push.published[second.url] < 1e-4 and not push.aside
+        assert [path for path, _ in second.calls[calls:]][:2] == ["/get_model_info", "/update_weights_from_disk"]
+        publication.set_aside(first.url)
+        publication.set_aside(second.url)
+        with pytest.raises(EngineError, match="no replica to publish version 6 to: all 2 are set aside"):
+            publication.load(variables, 6)
+        assert publication.version == 5
+
+
 def test_publication_stamps_the_launch_version_and_only_successful_pushes(tiny_qwen3):
     stamps, pushes = [], []
 
