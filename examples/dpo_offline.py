@@ -6,7 +6,7 @@ import optax
 
 from dew import Trainer, models
 from dew.data import Loading, PreferencePairs
-from dew.objectives.dpo import DPOObjective
+from dew.objectives.rl import DPOObjective
 
 rows = [
     {
