@@ -10,6 +10,11 @@ seconds.
 """
 
 import importlib
+import os
+
+# transformers announces at import that PyTorch is absent, which reads as fatal; dew uses it for tokenizers and
+# configs only, and never needs PyTorch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 _HOMES = {
     "Dataset": "dew.data.dataset", "Partition": "dew.data.dataset", "Field": "dew.flow.inputs",

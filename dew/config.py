@@ -13,6 +13,7 @@ field, the value and what was expected:
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -122,3 +123,31 @@ def load_config(kind: type[C], path: str | Path | None = None, overrides: Iterab
     merged.update(_override(kind, item) for item in overrides)
     merged.update(values)
     return kind(**merged)
+
+
+_DOC_ENTRY = re.compile(r"(?:^|[;.:]\s+|\n\s*)((?:[a-z_][a-z0-9_]*)(?:,\s*[a-z_][a-z0-9_]*)*):\s+(.+?)(?=;\s|\.\s|$)", re.S)
+
+
+def field_descriptions(kind: type[BaseModel]) -> dict[str, str]:
+    """Each field's one-line description, read from the ``name: what it is;`` entries of the model's docstrings."""
+    found: dict[str, str] = {}
+    for cls in kind.__mro__:
+        for names, text in _DOC_ENTRY.findall(cls.__dict__.get("__doc__") or ""):
+            for name in (n.strip() for n in names.split(",")):
+                if name in kind.model_fields and name not in found:
+                    found[name] = " ".join(text.split())
+    return found
+
+
+def fields_help(kind: type[BaseModel], width: int = 110) -> str:
+    """The config fields of ``kind`` for ``--help``: name, type and default on one line, what it is on the next."""
+    notes = field_descriptions(kind)
+    lines = [f"config fields (--set NAME=VALUE, or NAME = VALUE in the TOML file), from {kind.__name__}:"]
+    for name, field in kind.model_fields.items():
+        kind_name = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
+        default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
+        lines.append(f"  {name} ({kind_name}, {default})")
+        if notes.get(name):
+            text = notes[name]
+            lines.append("      " + (text if len(text) <= width else text[: width - 3] + "..."))
+    return "\n".join(lines)

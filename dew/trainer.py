@@ -247,6 +247,9 @@ class Trainer:
         self._validate(batch, step)
         state, metrics = self._update(state, shard_batch(batch, self.mesh))
         metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        # A rollout that keeps its batch's figures (rewards, response lengths) has them logged with the update's.
+        if self.rollout is not None and isinstance(getattr(self.rollout, "metrics", None), Mapping):
+            metrics.update({f"rollout/{name}": float(value) for name, value in self.rollout.metrics.items()})
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(
                 f"the loss became {metrics['loss']} at step {step + 1} (batch {step} of this run's stream); "

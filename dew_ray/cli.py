@@ -167,10 +167,49 @@ def chain(args: argparse.Namespace) -> int:
                           *(["--address", args.address] if args.address else [])])
 
 
+def _rlvr_config():
+    from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
+
+    return RLVRPipelineConfig
+
+
+def _stage_config():
+    from dew.recipes.stage_files import StageRun
+
+    return StageRun
+
+
+def _chain_config():
+    from dew_ray.pipelines.chain import ChainConfig
+
+    return ChainConfig
+
+
+class FieldsHelp(argparse.Action):
+    """``-h``/``--help`` that lists the command's config fields (types, defaults, one line each), generated from
+    its pydantic model; the model is imported only when help is asked for (it pulls in JAX)."""
+
+    def __init__(self, option_strings, dest, config, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show this help and the "
+                         "config fields, then exit")
+        self.config = config
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from dew.config import fields_help
+
+        parser.epilog = fields_help(self.config())
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        parser.print_help()
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dew-ray", description="Post-training for language models, in JAX on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
-    main_job = commands.add_parser("rlvr", help="asynchronous RLVR on the built-in tasks on a (local) Ray cluster")
+    main_job = commands.add_parser("rlvr", add_help=False,
+                                   help="asynchronous RLVR on a (local) Ray cluster: the built-in tasks, or your "
+                                        "model, prompts and reward")
+    main_job.add_argument("-h", "--help", action=FieldsHelp, config=_rlvr_config)
     main_job.add_argument("--config", help="a TOML file of RLVRPipelineConfig fields (see cluster_configs/rlvr.toml)")
     main_job.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config field")
     main_job.add_argument("--run-dir", default=None, help="the run directory; an existing one resumes (default: runs/rlvr-<time>)")
@@ -204,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     served.set_defaults(run=serve)
     for kind, what in (("sft", "supervised fine-tuning on conversations"), ("dpo", "DPO on preference pairs"),
                        ("grpo", "GRPO on prompts with a reward")):
-        command = commands.add_parser(kind, help=f"{what}: one stage on a Hugging Face model directory")
+        command = commands.add_parser(kind, add_help=False, help=f"{what}: one stage on a Hugging Face model directory")
+        command.add_argument("-h", "--help", action=FieldsHelp, config=_stage_config)
         command.add_argument("--model", help="the Hugging Face model directory (config field 'model')")
         command.add_argument("--data", help="a Parquet or JSONL file or a datasets directory (config field 'data')")
         command.add_argument("--output-dir", default=None, help="checkpoints, metrics.jsonl and policy/ "
@@ -213,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--config", help=f"a TOML file of StageRun fields (flat or under [{kind}])")
         command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one field")
         command.set_defaults(run=stage, kind=kind)
-    chained = commands.add_parser("chain", help="SFT -> DPO -> GRPO stages on a (local) Ray cluster")
+    chained = commands.add_parser("chain", add_help=False, help="SFT -> DPO -> GRPO stages on a (local) Ray cluster")
+    chained.add_argument("-h", "--help", action=FieldsHelp, config=_chain_config)
     chained.add_argument("--config", required=True, help="a TOML file of ChainConfig fields with [[stages]] tables")
     chained.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one field")
     chained.add_argument("--address", default=None, help="a running Ray cluster (default: RAY_ADDRESS or a local one)")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -49,7 +50,6 @@ from dew.data.verifiable import VerifiableTask, shared_prompts, task_rows, task_
 from dew.inference import NativeRolloutServer, Server
 from dew.recipes import rlvr_recipe
 from dew.recipes.reward_routing import verifiable_reward
-from dew.sampling import Sampling
 from dew.recipes.rlvr_recipe import (
     RUNNERS,
     SANDBOX_LIMITS,
@@ -57,6 +57,7 @@ from dew.recipes.rlvr_recipe import (
     decoder,
     grpo_job,
     measure_reward,
+    rollout_sampling,
     sandbox_runner,
 )
 from dew.sandbox import SandboxFleet
@@ -208,13 +209,16 @@ def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLV
     fleet = _fleet(config)
     reward = verifiable_reward(fleet)
 
-    sampling = Sampling(eos_id=tokenizer.eos_token_id, temperature=1.0)
+    sampling = rollout_sampling(config, (tokenizer.eos_token_id,))
     server = NativeRolloutServer(Server(model, params, sampling, slots=config.slots, capacity=width), version=0)
     try:
         mark = time.perf_counter()
         eval_seed = config.seed + 1
-        before = measure_reward(server, reward, tokenizer, held_out, config.eval_samples, config.max_new_tokens,
-                                eval_seed)
+        held_rows = task_rows(held_out)
+        held_ids = [tokenizer.encode(task.prompt, add_special_tokens=False) for task in held_out]
+        measure = functools.partial(measure_reward, server, reward, tokenizer.decode, held_rows, held_ids,
+                                    config.eval_samples, config.max_new_tokens, eval_seed, (tokenizer.eos_token_id,))
+        before = measure()
         seconds["eval_before"] = time.perf_counter() - mark
 
         # 2. GRPO through the scheduler. In file order the families alternate, so every batch (of an even
@@ -238,8 +242,7 @@ def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLV
         # 3. The final weights (the scheduler pushed only those it sampled from) and the same measurement.
         mark = time.perf_counter()
         server.load(jax.tree.map(jnp.copy, state.params), int(state.updates))
-        after = measure_reward(server, reward, tokenizer, held_out, config.eval_samples, config.max_new_tokens,
-                               eval_seed)
+        after = measure()
         seconds["eval_after"] = time.perf_counter() - mark
     finally:
         server.close()

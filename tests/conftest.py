@@ -201,3 +201,51 @@ def vllm_engine(tiny_qwen3, tmp_path_factory):
                         args=["--logprobs-mode", "processed_logprobs", "--enable-scale-out"])
     yield engine
     engine.close()
+
+
+GSM8K_LAYOUT = [  # GSM8K's own columns (question, a worked answer ending in "#### <number>"), written for the tests
+    {"question": "Ada has 3 apples and buys 4 more. How many apples does she have?",
+     "answer": "Ada has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
+    {"question": "A box holds 12 pens. How many pens are in 2 boxes?",
+     "answer": "2 boxes hold 2 * 12 = <<2*12=24>>24 pens.\n#### 24"},
+    {"question": "Tom had 20 marbles and gave away 5. How many are left?",
+     "answer": "He has 20 - 5 = <<20-5=15>>15 left.\n#### 15"},
+    {"question": "Each of 5 friends pays 6 dollars. How much do they pay together?",
+     "answer": "They pay 5 * 6 = <<5*6=30>>30 dollars.\n#### 30"},
+    {"question": "A train travels 1,200 miles in 2 days. How many miles per day?",
+     "answer": "It travels 1,200 / 2 = <<1200/2=600>>600 miles a day.\n#### 600"},
+    {"question": "Sam reads 9 pages a day. How many pages in a week?",
+     "answer": "He reads 9 * 7 = <<9*7=63>>63 pages.\n#### 63"},
+]
+
+
+@pytest.fixture(scope="session")
+def qwen3_gsm8k(tmp_path_factory):
+    """(model directory, GSM8K train Parquet, GSM8K test Parquet): what a user brings to ``dew-ray rlvr``, made
+    offline.
+
+    The model is a tiny Qwen3 (64 features, 2 layers) with Qwen3's real vocabulary (151,936 rows; the
+    tokenizer of tools/qwen3_vocab.py with Qwen3's chat template) and Qwen3's generation_config.json
+    (EOS ``<|im_end|>`` and ``<|endoftext|>``), random weights saved by ``Pretrained.save``; the prompts
+    are GSM8K-layout rows turned into verl rows by examples/gsm8k_prepare.py, four to train on and two
+    to measure on."""
+    import json
+
+    import jax
+    import jax.numpy as jnp
+
+    from dew.models.named_shapes import tiny_qwen3
+    from dew.models.pretrained import Pretrained
+
+    folder = tmp_path_factory.mktemp("qwen3-gsm8k")
+    model = tiny_qwen3(vocab_size=151936, emb_features=64, max_seq_len=1024)
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    Pretrained.from_model(model).save(variables, folder / "model")
+    import_from("tools", "qwen3_vocab").qwen3_tokenizer().save_pretrained(folder / "model")
+    (folder / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    prepare = import_from("examples", "gsm8k_prepare")
+    for split, rows in (("train", GSM8K_LAYOUT[:4]), ("test", GSM8K_LAYOUT[4:])):
+        source = folder / f"gsm8k-{split}.jsonl"
+        source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        prepare.main([str(source), str(folder / f"{split}.parquet"), "--split", split])
+    return folder / "model", folder / "train.parquet", folder / "test.parquet"

@@ -85,7 +85,15 @@ def test_rollout_batch_layout(tiny_model, variables):
         assert batch["input_ids"][r, : len(prompt)].tolist() == prompt  # the prompt without its padding
         assert (batch["versions"].ravel()[columns] == 5).all()
     assert (batch["behavior_log_probs"][batch["response_mask"] == 1] <= 0).all()
-    assert set(rollout.metrics) == {"reward/mean", "reward/share_positive", "response/length", "response/eos_share"}
+    assert set(rollout.metrics) == {"reward/mean", "reward/std", "reward/equal_group_share", "response/length_mean",
+                                    "response/length_max", "response/truncated_share", "reward/share_positive",
+                                    "response/eos_share", "reward/source/toy"}
+    assert rollout.metrics["response/truncated_share"] == pytest.approx(1 - rollout.metrics["response/eos_share"])
+    rewards = [float(truth in completion.split()) for _, completion, truth, _ in seen]
+    assert rollout.metrics["reward/source/toy"] == rollout.metrics["reward/mean"] == pytest.approx(np.mean(rewards))
+    assert rollout.metrics["reward/equal_group_share"] == np.mean([len(set(rewards[:3])) == 1, len(set(rewards[3:])) == 1])
+    lengths = [len(np.flatnonzero(batch["session_index"] == i)) for i in range(6)]  # sampled ids of each completion
+    assert rollout.metrics["response/length_max"] == max(lengths)
 
 
 def test_rollout_refuses_bad_input(tiny_model, variables):

@@ -50,6 +50,21 @@ def test_completions_return_the_ids_and_log_probs_of_the_python_call(front):
     assert reply["usage"]["prompt_tokens"] == 4
 
 
+def test_completion_text_leaves_special_tokens_out_as_vllm_does(front):
+    eos = front.tokenizer.eos_token
+    for seed in range(64):  # draws until one ends on EOS, which the text must not spell out
+        status, reply = call(front, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 48, "seed": seed,
+                                                         "logprobs": 0})
+        choice = reply["choices"][0]
+        if choice["finish_reason"] == "stop":
+            break
+    assert status == 200 and choice["finish_reason"] == "stop", "no draw of 64 seeds ended on EOS"
+    ids = choice["dew"]["token_ids"]
+    assert ids[-1] == front.tokenizer.eos_token_id and eos not in choice["text"]
+    assert choice["text"] == front.tokenizer.decode(ids, skip_special_tokens=True)
+    assert choice["logprobs"]["tokens"][-1] == eos  # a log-probability still names the token it scores
+
+
 def test_chat_goes_through_the_template(front):
     status, reply = call(front, "/v1/chat/completions",
                          {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 5, "seed": 1})

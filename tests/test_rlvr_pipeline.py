@@ -42,7 +42,7 @@ def tiny(run_dir, **values):
 def test_config_file_overrides_and_named_errors(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[rlvr]\nsteps = 7\nservers = 2\nprompts = "none.jsonl"\n')
-    with pytest.raises(ValueError, match="'prompts' names 'none.jsonl', which is not a file"):
+    with pytest.raises(ValueError, match="'prompts' names 'none.jsonl', which is not a file or directory"):
         load_config(path)
     path.write_text('[rlvr]\nsteps = 7\nservers = 2\n')
     config = load_config(path, ["max_lag=2", "ahead=2", "learning_rate=3e-4", "progress=no"])
@@ -93,16 +93,19 @@ def scrape(port: int, names: list[str], expect: dict[str, float], timeout: float
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tmp_path):
+def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tmp_path, qwen3_gsm8k):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     port = free_port()
     ray.init(num_cpus=3, include_dashboard=False, _metrics_export_port=port, log_to_driver=False,
              configure_logging=False)
     try:
-        # two trainer processes (one jax.distributed job), each scheduling its own task of every batch, on the
-        # prompts of verl's gsm8k tool-agent parquet (chat messages), writing each update's rollouts as verl rows
-        with RLVRPipeline(tiny(tmp_path / "run", trainers=2, trainer_cpus=0.5, prompts=str(VERL_PARQUET),
-                               verl_rows=True, sft_batch=8, trackers=["tensorboard", "wandb"])) as pipeline:
+        # A user's run: a Hugging Face Qwen3 directory (Qwen3's vocabulary and chat template) on GSM8K verl rows,
+        # measured on GSM8K's test rows. Two trainer processes (one jax.distributed job), each scheduling its own
+        # task of every batch, write each update's rollouts as verl rows.
+        model, parquet, test = qwen3_gsm8k
+        with RLVRPipeline(tiny(tmp_path / "run", trainers=2, trainer_cpus=0.5, model=str(model), prompts=str(parquet),
+                               val_prompts=str(test), eval_samples=2, verl_rows=True, slots=8,
+                               trackers=["tensorboard", "wandb"])) as pipeline:
             started = pipeline.start()
             assert not started["restored"] and started["step"] == 0
             rows = pipeline.step(2)
@@ -121,9 +124,16 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
         ray.shutdown()
     run = tmp_path / "run"
     assert summary["steps"] == 3 and 0 <= summary["wait_share"] <= 1
-    assert set(summary["reward_after"]) == {"all", "math", "code"}
+    assert set(summary["reward_after"]) == {"all", "openai/gsm8k", "pass@2", "pass@2/openai/gsm8k"}
+    # a random model never writes "#### <answer>": the summary says why the held-out reward stays 0
+    assert summary["reward_after"]["all"] == 0 and "a random or untrained model" in summary["note"]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:  # how a GRPO run is judged: rewards, groups without signal, response lengths, per source
+        assert line["rollout/reward/source/openai/gsm8k"] == line["rollout/reward/mean"]
+        assert 0 <= line["rollout/reward/equal_group_share"] <= 1 and line["rollout/reward/std"] >= 0
+        assert 0 < line["rollout/response/length_mean"] <= line["rollout/response/length_max"] <= 40
+        assert 0 <= line["rollout/response/truncated_share"] <= 1
     # the trackers got the same rows: TensorBoard events and the offline W&B run's history
     events = tensorboard_scalars(run / "tensorboard")
     assert events["train/loss"] == [(line["step"], pytest.approx(line["train/loss"])) for line in lines]
@@ -136,19 +146,25 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
     curve = [json.loads(line) for line in (run / "held_out.jsonl").read_text().splitlines()]
     assert [point["step"] for point in curve] == [0, 1, 2, 3] and curve == summary["held_out"]
     assert curve[0]["reward"] == summary["reward_before"] and curve[-1]["reward"] == summary["reward_after"]
-    truths = {row["reward_model"]["ground_truth"] for row in pq.read_table(VERL_PARQUET).to_pylist()}
+    rows = pq.read_table(parquet).to_pylist()
+    truths = {row["reward_model"]["ground_truth"] for row in rows}
+    tokenizer = pipeline.setup.tokenizer
+    rendered = {tuple(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)) for row in rows}
     for line in lines:  # what it wrote reads back: every admitted rollout of both processes, whole groups
         written = read_verl_rows(run, line)
         assert len(written) == 2 * 4 and {s.task.data["ground_truth"] for s in written} <= truths
         assert sorted(s.sample for s in written) == [0, 0, 1, 1, 2, 2, 3, 3]
         assert all(s.reward in (0.0, 1.0) for s in written)
-        assert all(task_tokenizer().decode(s.calls[0].prompt_ids).endswith("\nassistant: ") for s in written)
+        assert all(tuple(s.calls[0].prompt_ids) in rendered for s in written)  # the chat template's rendering
     from dew.models.pretrained import Pretrained
+    from dew.recipes.run_inputs import load_tokenizer
 
     policy = Pretrained.from_directory(run / "policy")  # the final policy reads back from the Hugging Face layout
     variables = policy.load()
-    assert policy.model().vocab_size == len(task_tokenizer()) and (run / "policy" / "tokenizer.json").exists()
-    assert variables["params"]["embed_tokens"]["embedding"].shape[0] == len(task_tokenizer())
+    assert policy.architecture == "Qwen3ForCausalLM" and policy.model().vocab_size == 151936
+    assert variables["params"]["embed_tokens"]["embedding"].shape == (151936, 64)
+    assert load_tokenizer(run / "policy").encode("#### 72") == tokenizer.encode("#### 72")
 
 
 def read_verl_rows(run: Path, line: dict) -> list:
@@ -167,7 +183,7 @@ def read_verl_rows(run: Path, line: dict) -> list:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(tmp_path):
+def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(tmp_path, qwen3_gsm8k):
     from dew.inference.engines import build_engine_env, engine_python
 
     engine_python("vllm") or build_engine_env("vllm")  # .ci/run builds it first; a failed build fails here
@@ -175,7 +191,10 @@ def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
     run = tmp_path / "run"
     try:
-        with RLVRPipeline(tiny(run, engine="vllm", steps=4)) as pipeline:
+        # the engines serve a user's model: the tiny Qwen3 with Qwen3's vocabulary, on GSM8K verl rows
+        model, parquet, test = qwen3_gsm8k
+        with RLVRPipeline(tiny(run, engine="vllm", steps=4, model=str(model), prompts=str(parquet),
+                               val_prompts=str(test), slots=8)) as pipeline:
             pipeline.start()
             engine = pipeline.actors.servers[0]
             assert ray.get(engine.healthy.remote())
@@ -194,8 +213,11 @@ def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(
         assert not processes.group_processes(group), f"vLLM processes outlived their actor: {processes.group_processes(group)}"
     finally:
         ray.shutdown()
-    assert summary["steps"] == 4 and set(summary["reward_after"]) == {"all", "math", "code"}
-    from dew.models.pretrained import load_pretrained
+    assert summary["steps"] == 4 and set(summary["reward_after"]) == {"all", "openai/gsm8k"}
+    from dew.models.pretrained import Pretrained, load_pretrained
+
+    assert Pretrained.from_directory(run / "engine" / "policy").architecture == "Qwen3ForCausalLM"
+    assert (run / "engine" / "policy" / "tokenizer.json").exists()  # the engines' directory is a whole model
 
     served = load_pretrained(run / "engine" / "policy")[1]  # the engines' directory holds the final policy
     final = load_pretrained(run / "policy")[1]
@@ -253,6 +275,36 @@ def readme_submit_lines() -> list[str]:
     return lines[:-1]
 
 
+def test_the_qwen3_gsm8k_gpu_recipe_is_a_valid_run_of_a_users_model(qwen3_gsm8k):
+    """The GPU recipe's fields validate, and with its model and data paths pointed at the tiny Qwen3 and GSM8K rows
+    (the recipe names a user's /data) the run it describes plans: GSM8K rows routed, the rows fit the model."""
+    from dew.recipes.rlvr_plan import plan_run
+
+    model, parquet, test = qwen3_gsm8k
+    recipe = ROOT / "cluster_configs" / "rlvr-qwen3-gsm8k-gpu.toml"
+    text = recipe.read_text()
+    for name in ("/data/models/Qwen3-0.6B", "/data/gsm8k/train.parquet", "/data/gsm8k/test.parquet"):
+        assert f'"{name}"' in text
+    local = Path(str(parquet)).parent / "recipe.toml"
+    local.write_text(text.replace("/data/models/Qwen3-0.6B", str(model))
+                        .replace("/data/gsm8k/train.parquet", str(parquet)).replace("/data/gsm8k/test.parquet", str(test)))
+    config = load_config(local)
+    assert (config.engine, config.engine_push, config.dtype, config.enable_thinking) == ("vllm", "nccl", "bfloat16", False)
+    assert config.servers * config.server_gpus + config.trainers * config.trainer_gpus == 3
+    plan = plan_run(config)
+    assert plan.width <= 256 + 512 and plan.reward == "verifiable" and plan.eos_ids == (151645, 151643)
+    # the README's own run (its second section's TOML) plans the same way on the same files
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Your model, your data, your reward"):]
+    block = section[section.index("```toml\n") + 8:section.index("```", section.index("```toml\n") + 8)]
+    for name, value in (("models/Qwen3-0.6B", model), ("data/gsm8k/train.parquet", parquet),
+                        ("data/gsm8k/test.parquet", test)):
+        assert f'"{name}"' in block
+        block = block.replace(f'"{name}"', f'"{value}"')
+    local.write_text(block)
+    assert plan_run(load_config(local)).held_out_source == f"val_prompts {test}"
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_readme_job_submit_lines_work_as_written_on_this_machine():
@@ -294,7 +346,7 @@ def test_a_killed_main_job_resumes_from_its_checkpoint():
     once update 3 is written (checkpoints every 2 updates), then the same command again. The rerun resumes at the
     last checkpoint the kill left, keeps the rows up to it as they were, trains each update once, and ends on the
     parameters of an uninterrupted run (synchronous schedule: every batch drawn under one version, so runs draw
-    alike)."""
+    alike). Then a run continues from the uninterrupted run's exported policy as from a user's model."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     name = f"kill-test-{os.getpid()}"
@@ -303,7 +355,7 @@ def test_a_killed_main_job_resumes_from_its_checkpoint():
     options = [*TINY, "steps=5", "sft_steps=80", "sft_errors=0", "checkpoint_every=2", "max_lag=0", "ahead=0",
                "verl_rows=true"]
     command = [str(Path(sys.executable).parent / "dew-ray"), "rlvr", *[f"--set={item}" for item in options]]
-    killed, uninterrupted = ROOT / "runs" / name, ROOT / "runs" / f"{name}-whole"
+    killed, uninterrupted, more = ROOT / "runs" / name, ROOT / "runs" / f"{name}-whole", ROOT / "runs" / f"{name}-more"
     try:
         driver = subprocess.Popen([*command, f"--run-dir=runs/{name}"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, start_new_session=True)
@@ -358,38 +410,139 @@ def test_a_killed_main_job_resumes_from_its_checkpoint():
         assert moved <= elements // 1000, f"{moved} of {elements} elements differ by more than 1e-6"
         worst = max(float(np.abs(got[t] - want[t]).max()) for t in want)
         assert worst < 1e-4, worst
+
+        # The exported policy is a model a user brings: `--set model=<run>/policy` continues from it (no warm
+        # start), reading the Hugging Face directory and its tokenizer back. Its first held-out measurement is the
+        # uninterrupted run's last, to the draw: the same weights, tokenizer ids and sampling seeds.
+        continued = subprocess.run([*command, f"--run-dir=runs/{name}-more", f"--set=model={uninterrupted / 'policy'}",
+                                    "--set=steps=2"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert continued.returncode == 0, continued.stdout[-3000:] + continued.stderr[-3000:]
+        assert f"policy: LlamaForCausalLM from {uninterrupted / 'policy'}" in continued.stdout
+        assert "warm start:" not in continued.stdout and not (more / "warm_start.msgpack").exists()
+        before = json.loads((more / "summary.json").read_text())
+        assert before["steps"] == 2
+        assert before["reward_before"] == json.loads((uninterrupted / "summary.json").read_text())["reward_after"]
     finally:
         shutil.rmtree(killed, ignore_errors=True)
         shutil.rmtree(uninterrupted, ignore_errors=True)
+        shutil.rmtree(more, ignore_errors=True)
 
 
-def test_prompt_files_in_verl_rows_are_read_and_checked(tmp_path):
-    from dew_ray.pipelines.rlvr_job import pipeline_reward as _reward
-    from dew_ray.pipelines.rlvr_job import prompt_rows as _prompt_rows
+def test_a_users_model_and_prompts_are_read_rendered_and_checked_before_any_work(qwen3_gsm8k, tmp_path,
+                                                                                 monkeypatch):
+    from dew.recipes.rlvr_plan import PlanError, plan_run
 
-    rows = [{"data_source": "openai/gsm8k", "prompt": "What is two plus two?",
-             "reward_model": {"style": "rule", "ground_truth": "4"}, "extra_info": {"index": 0}},
-            {"data_source": "dew/arithmetic", "prompt": "What is one plus one?",
-             "reward_model": {"ground_truth": "2"}, "extra_info": {}}]
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = load_config(None, [f"prompts={path}"])
-    assert _prompt_rows(config, []) == rows
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    model, parquet, _ = qwen3_gsm8k
+    rows = pq.read_table(parquet).to_pylist()
+    plan = plan_run(load_config(None, [f"model={model}", f"prompts={parquet}", "max_new_tokens=32"]))
+    tokenizer = plan.policy.tokenizer
+    rendered = [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                            return_dict=False) for row in rows]
+    assert plan.train.ids == [list(ids) for ids in rendered]  # prompt ids are the chat template's rendering
+    assert plan.eos_ids == (151645, 151643)  # <|im_end|>, then generation_config.json's <|endoftext|>
+    assert plan.width == max(map(len, rendered)) + 32 and plan.policy.model.vocab_size == 151936
+    assert plan.held_out.rows == rows and "which training sees too" in plan.held_out_source
+    # verl's own parquet (its gsm8k tool-agent loop's: a system message, then the question) as the measured prompts
+    verl = plan_run(load_config(None, [f"model={model}", f"prompts={parquet}", f"val_prompts={VERL_PARQUET}"]))
+    verl_rows = pq.read_table(VERL_PARQUET).to_pylist()
+    assert verl.held_out.ids == [list(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                                                    tokenize=True, return_dict=False))
+                                 for row in verl_rows]
+    assert verl.prompt_len == max(map(len, verl.held_out.ids)) and verl.held_out_source == f"val_prompts {VERL_PARQUET}"
+    thinking = plan_run(load_config(None, [f"model={model}", f"prompts={parquet}", "enable_thinking=false"]))
+    assert thinking.train.ids[0] == list(tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True,
+                                                                       tokenize=True, enable_thinking=False,
+                                                                       return_dict=False))
+    assert thinking.train.ids[0] != plan.train.ids[0]  # the template's switch took effect
+    # the same rows as JSON lines and as a directory datasets saved read alike
+    import datasets
 
-    parquet = tmp_path / "prompts.parquet"
-    pq.write_table(pa.Table.from_pylist(rows[:1]), parquet)
-    assert _prompt_rows(load_config(None, [f"prompts={parquet}"]), [])[0]["reward_model"]["ground_truth"] == "4"
-    from dew.sandbox import ProcessRunner, SandboxFleet
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    for source in (jsonl, tmp_path / "saved"):
+        assert plan_run(load_config(None, [f"model={model}", f"prompts={source}"])).train.ids == plan.train.ids
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(PlanError, match="has splits \\['train'\\].*give a split's own directory, such as .*dict/train"):
+        plan_run(load_config(None, [f"model={model}", f"prompts={tmp_path / 'dict'}"]))
+    # max_prompt_length: longer prompts are left out and counted (verl's filter_overlong_prompts), or all refused
+    lengths = sorted(map(len, rendered))
+    fitted = plan_run(load_config(None, [f"model={model}", f"prompts={parquet}", f"max_prompt_length={lengths[0]}"]))
+    assert fitted.train.filtered == sum(n > lengths[0] for n in lengths) > 0 and fitted.train.longest == lengths[0]
+    assert any("prompts longer than it were left out" in line for line in fitted.describe())
+    with pytest.raises(PlanError, match=f"'max_prompt_length' \\(4\\) is shorter than every prompt .* from "
+                                        f"{lengths[0]} to {lengths[-1]} ids"):
+        plan_run(load_config(None, [f"model={model}", f"prompts={parquet}", "max_prompt_length=4"]))
+    with pytest.raises(PlanError, match=f"rows of {lengths[-1] + 2000} ids \\(the longest prompt: {lengths[-1]} ids, "
+                                        "\\+ max_new_tokens=2000\\) exceed the model's context, "
+                                        "max_position_embeddings=1024"):
+        plan_run(load_config(None, [f"model={model}", f"prompts={parquet}", "max_new_tokens=2000"]))
+    # bad model directories, tokenizers and prompt files are named
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(PlanError, match="'model': .*empty has no config.json"):
+        plan_run(load_config(None, [f"model={empty}", f"prompts={parquet}"]))
+    (empty / "config.json").write_text((model / "config.json").read_text())
+    with pytest.raises(PlanError, match="'model': .*empty has neither model.safetensors nor"):
+        plan_run(load_config(None, [f"model={empty}", f"prompts={parquet}"]))
+    (empty / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(PlanError, match="architectures \\['GPT2LMHeadModel'\\] holds none that dew reads"):
+        plan_run(load_config(None, [f"model={empty}", f"prompts={parquet}"]))
+    plain = tmp_path / "plain-tokenizer"
+    words = task_tokenizer()
+    words.chat_template = None
+    words.save_pretrained(plain)
+    with pytest.raises(PlanError, match="'prompts': .*row 0.*holds messages but the tokenizer has no chat template"):
+        plan_run(load_config(None, [f"model={model}", f"tokenizer={plain}", f"prompts={parquet}"]))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(rows[0]) + "\n" + json.dumps({k: v for k, v in rows[1].items() if k != "prompt"}))
+    with pytest.raises(PlanError, match="broken.jsonl row 1 has no 'prompt' column"):
+        plan_run(load_config(None, [f"model={model}", f"prompts={broken}"]))
+    broken.write_text(json.dumps({**rows[0], "reward_model": {"style": "rule"}}) + "\n")
+    with pytest.raises(PlanError, match="row 0 has no reward_model.ground_truth"):
+        plan_run(load_config(None, [f"model={model}", f"prompts={broken}"]))
+    # a data source no route scores is refused, naming it and the routes; the user's own reward is found by path
+    broken.write_text(json.dumps({**rows[0], "data_source": "my/quiz"}) + "\n")
+    with pytest.raises(PlanError, match="data_source 'my/quiz', which no reward route scores; the routes are .*"
+                                        "'openai/gsm8k'"):
+        plan_run(load_config(None, [f"model={model}", f"prompts={broken}"]))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "quiz_rewards.py").write_text("def score(data_source, completion, ground_truth, extra_info):\n"
+                                              "    return float(ground_truth in completion)\n")
+    for spec in ("quiz_rewards.py:score", "quiz_rewards:score"):  # a file path, or a module in the working directory
+        reward = plan_run(load_config(None, [f"model={model}", f"prompts={broken}", f"reward={spec}"])).reward
+        assert reward("my/quiz", "it is 7", "7", "{}") == 1.0 and reward.spec == spec
+    with pytest.raises(PlanError, match="no module 'nowhere' on sys.path or in the working directory .*; give a file "
+                                        "path instead"):
+        plan_run(load_config(None, [f"model={model}", f"prompts={broken}", "reward=nowhere:score"]))
+    with pytest.raises(PlanError, match="quiz_rewards.py has no function 'grade'"):
+        plan_run(load_config(None, [f"model={model}", f"prompts={broken}", "reward=quiz_rewards.py:grade"]))
+    with pytest.raises(ValueError, match="config field 'tokenizer' needs 'model'"):
+        load_config(None, [f"tokenizer={plain}"])
+    with pytest.raises(ValueError, match="'warmup_steps' \\(3\\) must be less than steps \\(3\\)"):
+        load_config(None, ["steps=3", "warmup_steps=3"])
 
-    with SandboxFleet(ProcessRunner(), workers=1) as fleet:
-        reward = _reward(fleet)  # a data source without a route of its own is graded as math
-        assert reward("openai/gsm8k", "so \\boxed{4}", "4", "{}") == 1.0
-        assert reward("openai/gsm8k", "\\boxed{5}", "4", "{}") == 0.0
-    path.write_text(json.dumps({"data_source": "x", "prompt": "p", "reward_model": {}}) + "\n")
-    with pytest.raises(ValueError, match="row 0 has no reward_model.ground_truth"):
-        _prompt_rows(load_config(None, [f"prompts={path}"]), [])
+
+def test_a_warm_start_file_fits_a_users_model_to_its_conversations(qwen3_gsm8k, tmp_path):
+    import jax
+
+    from dew.recipes.rlvr_recipe import warm_start
+    from dew.recipes.run_inputs import load_policy
+
+    model, parquet, _ = qwen3_gsm8k
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                                                     {"role": "assistant", "content": f"#### {a + b}"}]}) + "\n"
+                            for a, b in ((3, 4), (5, 6), (1, 9), (2, 2))))
+    config = tiny(tmp_path / "run", model=str(model), prompts=str(parquet), warm_start=str(chat), sft_steps=3)
+    pipeline = RLVRPipeline(config)
+    assert pipeline.needs_warm_start()  # a user's model with a warm_start file is fitted first, once
+    policy = load_policy(model)
+    fitted = warm_start(policy.model, policy.tokenizer, [], 64, 3, 2, 1e-2, key=jax.random.key(0),
+                        pretrained=policy.params, conversations=str(chat), progress=False)
+    start, end = jax.tree.leaves(policy.params), jax.tree.leaves(fitted)
+    assert len(start) == len(end) and sum(not np.array_equal(a, b) for a, b in zip(start, end)) == len(start)
+    assert not RLVRPipeline(tiny(tmp_path / "run2", model=str(model), prompts=str(parquet))).needs_warm_start()
 
 
 def test_checks_that_can_fail_early_fail_before_any_work(tmp_path, monkeypatch):

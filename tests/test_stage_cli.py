@@ -77,6 +77,7 @@ def test_sft_then_dpo_then_grpo_from_the_command_line(files, tmp_path):
                          "--set", "batch=2", "--set", "learning_rate=1e-2", "--set", "trackers=tensorboard", *extra)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert f"{kind}: 2 updates" in result.stdout
+        assert "PyTorch was not found" not in result.stderr  # transformers' advisory reads as fatal; dew silences it
         rows = [json.loads(line) for line in (out / kind / "metrics.jsonl").read_text().splitlines()]
         events = tensorboard_scalars(out / kind / "tensorboard")["train/loss"]
         assert events == [(row["step"], pytest.approx(row["loss"])) for row in rows if row["kind"] == "train"]
@@ -84,6 +85,12 @@ def test_sft_then_dpo_then_grpo_from_the_command_line(files, tmp_path):
         assert any(not np.array_equal(a, b) for a, b in zip(leaves(out / "policy"), leaves(start), strict=True))
         start = str(out / "policy")  # the next stage starts from this one's exported policy
     metrics = (tmp_path / "grpo" / "grpo" / "metrics.jsonl").read_text()
+    for row in (json.loads(line) for line in metrics.splitlines()):  # a GRPO run logs what it is judged by
+        if row["kind"] == "train":
+            assert row["rollout/reward/source/stories"] == row["rollout/reward/mean"]
+            assert {"rollout/reward/std", "rollout/reward/equal_group_share", "rollout/response/length_mean",
+                    "rollout/response/length_max", "rollout/response/truncated_share"} <= set(row)
+            assert 0 < row["rollout/response/length_mean"] <= row["rollout/response/length_max"] <= 4
     again = dew_ray("grpo", "--model", str(tmp_path / "dpo" / "policy"), "--data", str(prompts), "--output-dir",
                     str(tmp_path / "grpo"), "--steps", "2", "--set", "batch=2", "--set", "reward=math",
                     "--set", "max_prompt_len=8", "--set", "max_new_tokens=4", "--set", "groups=2")
@@ -99,6 +106,23 @@ def test_a_bad_stage_fails_with_the_field_named(files, tmp_path):
     result = dew_ray("sft", "--model", str(model), "--data", str(tmp_path / "missing.jsonl"), "--steps", "1",
                      "--output-dir", str(tmp_path / "s"))
     assert result.returncode == 2 and "missing.jsonl does not exist" in result.stderr, result.stderr[-2000:]
+    result = dew_ray("grpo", "--model", str(model), "--data", str(prompts), "--output-dir", str(tmp_path / "g"),
+                     "--steps", "1", "--set", "reward=math", "--set", "max_prompt_len=8", "--set", "max_new_tokens=300")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert ("a grpo stage's rows of 308 ids (max_prompt_len=8 + max_new_tokens=300) exceed the model's context, "
+            f"max_position_embeddings=256 in {model / 'config.json'}") in result.stderr, result.stderr[-2000:]
+
+
+def test_every_command_lists_its_config_fields_in_help():
+    for command, lines in (("grpo", ["  reward (str | None, default None)", "  max_new_tokens (int, default 16)",
+                                     "      GRPO's response budget", "  max_prompt_len (int, default 64)"]),
+                           ("rlvr", ["  model (str | None, default None)", "  max_prompt_length (int | None, default None)",
+                                     "  reward (str, default 'verifiable')", "  temperature (float, default 1.0)"]),
+                           ("chain", ["  stages (list, required)"])):
+        result = dew_ray(command, "--help", timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        for line in lines:
+            assert line in result.stdout, (command, line, result.stdout[-3000:])
 
 
 def test_stage_configs_read_toml_tables_and_overrides(tmp_path):

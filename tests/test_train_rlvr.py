@@ -236,8 +236,17 @@ def test_cached_code_reward_runs_a_program_once_per_task(fleet):
 
 def test_routing_refuses_an_unknown_data_source(fleet):
     reward = verifiable_reward(fleet)
-    with pytest.raises(ValueError, match="no reward for data_source 'gsm8k'; known: \\['dew/arithmetic'"):
+    with pytest.raises(ValueError, match="no reward for data_source 'gsm8k'; known: .*'dew/arithmetic'"):
         reward("gsm8k", "\\boxed{1}", "1", "")
+    # openai/gsm8k is graded by verl's GSM8K rule (strict: the last "#### <number>"), competition math by MathReward
+    assert reward("openai/gsm8k", "so 3 + 4 = 7\n#### 7", "7", "{}") == 1.0
+    assert reward("openai/gsm8k", "#### 1,200", "1200", "{}") == 1.0  # commas dropped, as verl drops them
+    assert reward("openai/gsm8k", "the answer is 7", "7", "{}") == 0.0  # strict: no "####", no credit
+    assert reward("openai/gsm8k", "\\boxed{7}", "7", "{}") == 0.0
+    assert reward("HuggingFaceH4/MATH-500", "\\boxed{\\frac12}", "\\frac{1}{2}", "{}") == 1.0
+    with pytest.raises(ValueError, match="the prompts hold data_source 'gsm8k', 'x', which no reward route scores; "
+                                         "the routes are \\[.*'openai/gsm8k'"):
+        reward.check_sources(["gsm8k", "openai/gsm8k", "x"])
     with pytest.raises(ValueError, match="non-empty mapping"):
         RoutedReward({})
 

@@ -17,8 +17,10 @@ policy's ``old_log_probs``: every column ``[B * G, seq_len + 1]``, session ``b *
 being prompt row ``b``'s completion ``g``. A reward or decode failure raises naming the
 prompt row; nothing trains on a partial group.
 
-``metrics`` holds the last batch's ``reward/mean``, ``reward/share_positive``,
-``response/length`` and ``response/eos_share``.
+``metrics`` holds the last batch's :func:`~dew.records.session_metrics.reward_metrics` (reward
+mean and std, the share of groups with equal rewards, response lengths and the truncated
+share, the mean per data source), ``reward/share_positive`` and ``response/eos_share``; a
+Trainer logs them with each update as ``rollout/...``.
 
 For the same recipe over any :class:`~dew.inference.RolloutServer`, as a
 :class:`~dew.records.session_records.SessionSource` whose draws are scored on a thread
@@ -33,6 +35,7 @@ import jax
 import numpy as np
 
 from dew.data.prompts import METADATA, metadata_texts, prompt_rows
+from dew.records.session_metrics import reward_metrics
 from dew.inference.generation import TextGeneration
 from dew.collection.scoring import ScoringError, score_completion, token_text
 from dew.losses.advantages import ESTIMATORS
@@ -113,15 +116,14 @@ class SampledRollout:
                 version=version,
             )
             sessions.append(Session(
-                task=Task(str(row)), group=0, sample=sample, attempt=0, calls=[call],
+                task=Task(str(row), {"data_source": fields["data_source"]}), group=0, sample=sample, attempt=0, calls=[call],
                 status=Status.COMPLETED if ended else Status.TRUNCATED, reward=float(score),
             ))
         packed = pack(sessions, width, rows=len(contexts), estimator=self.estimator, truncation="score")
         rewards = np.array([s.reward for s in sessions])
         self.metrics = {
-            "reward/mean": float(rewards.mean()),
+            **reward_metrics(sessions),
             "reward/share_positive": float((rewards > 0).mean()),
-            "response/length": float(np.mean(generation.lengths)),
             "response/eos_share": float(np.mean(generation.eos)),
         }
         return packed

@@ -30,7 +30,17 @@ from typing import Any
 import numpy as np
 
 from dew.data.dataset import Dataset, Partition, local_partition
-from dew.data.loading import Loading, PartitionedLoader, Record, RecordError, RecordStream, local_rows, read_file
+from dew.data.loading import (
+    SAVED_DATASET_MARKERS,
+    Loading,
+    PartitionedLoader,
+    Record,
+    RecordError,
+    RecordStream,
+    local_rows,
+    read_file,
+    read_saved_dataset,
+)
 from dew.data.document_packing import pack_documents
 from dew.validation import positive_int
 
@@ -323,9 +333,9 @@ def read_conversations(path, split: str, options: HFOptions) -> list[Record]:
     import datasets
 
     source = str(path) if by_name else type(path).__name__
-    if by_name and any((Path(path) / marker).exists() for marker in ("dataset_info.json", "dataset_dict.json")):
-        path = datasets.load_from_disk(str(path))  # a directory written by save_to_disk
-    elif by_name:
+    if by_name and any((Path(path) / marker).exists() for marker in SAVED_DATASET_MARKERS):
+        return read_saved_dataset(Path(path), split, "ChatMessages")
+    if by_name:
         try:
             path = datasets.load_dataset(str(path), split=split, **options.kwargs())
         except Exception as error:  # datasets raises many types for a missing or unreachable dataset

@@ -157,9 +157,32 @@ def _parse(source: str, row: int, item) -> Record:
     return Record(source, row, item)
 
 
+SAVED_DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json")  # what save_to_disk writes into its directory
+
+
+def read_saved_dataset(path: Path, split: str | None, owner: str) -> list[Record]:
+    """The rows of a directory written by ``datasets``' ``save_to_disk`` (a Dataset, or ``split`` of a DatasetDict)."""
+    import datasets  # slow to import; only a saved directory needs it
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split is None or split not in loaded:
+            wanted = f"not {split!r}" if split is not None else "and no split was named"
+            raise ValueError(f"{owner}: {path} has splits {sorted(loaded)}, {wanted}; give a "
+                             f"split's own directory, such as {path / sorted(loaded)[0]}")
+        loaded = loaded[split]
+    return [Record(str(path), row, item) for row, item in enumerate(loaded)]
+
+
 def read_file(path: Path, owner: str) -> list[Record]:
+    """Records of a Parquet or JSON-lines file, or of a directory written by ``save_to_disk``."""
     if not path.exists():
         raise FileNotFoundError(f"{owner}: {path} does not exist")
+    if path.is_dir():
+        if not any((path / marker).exists() for marker in SAVED_DATASET_MARKERS):
+            raise ValueError(f"{owner}: {path} is a directory but not one datasets' save_to_disk wrote (it has no "
+                             f"{' or '.join(SAVED_DATASET_MARKERS)})")
+        return read_saved_dataset(path, None, owner)
     if path.suffix in (".jsonl", ".json"):
         with path.open() as lines:
             return [_parse(str(path), row, line) for row, line in enumerate(lines) if line.strip()]

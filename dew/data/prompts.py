@@ -123,8 +123,10 @@ class Prompts(PartitionedLoader):
         max_prompt_len: int,
         pad_id: int | None = None,
         loading: Loading | None = None,
+        template_options: Mapping | None = None,
     ):
         positive_int("Prompts: max_prompt_len", max_prompt_len)
+        self.template_options = dict(template_options or {})  # extra chat-template variables (enable_thinking)
         super().__init__(read_records(records, path, self.owner), loading)
         self.max_prompt_len = max_prompt_len
         self._tokenizer = None if isinstance(tokenizer, (str, Path)) else tokenizer
@@ -166,7 +168,7 @@ class Prompts(PartitionedLoader):
                 for key in ("role", "content"):
                     if key not in message:
                         raise record.error("prompt", f"message {index} has no {key!r}")
-            ids = _chat_ids(self._tokenizer, [dict(m) for m in prompt], record)
+            ids = _chat_ids(self._tokenizer, [dict(m) for m in prompt], record, self.template_options)
         else:
             raise record.error("prompt", "must be token ids, a string or a list of role/content messages")
         if not ids:
@@ -192,11 +194,11 @@ def _is_id_list(value) -> bool:
     )
 
 
-def _chat_ids(tokenizer, messages: list[dict], record: Record) -> list[int]:
+def _chat_ids(tokenizer, messages: list[dict], record: Record, options: Mapping) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise record.error("prompt", "holds messages but the tokenizer has no chat template")
     try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **options)
     except Exception as error:  # a template's own checks raise many types
         raise record.error("prompt", f"the chat template refused these messages ({error})") from None
     if isinstance(rendered, Mapping):  # transformers may return a BatchEncoding

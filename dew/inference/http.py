@@ -312,15 +312,19 @@ class OpenAIFront(BackgroundServer):
         return deltas or [text]
 
     def _name(self, token: int, ask: _Ask) -> str:
-        return f"token_id:{token}" if ask.ids_as_tokens else self._decode([token])
+        return f"token_id:{token}" if ask.ids_as_tokens else self._decode([token], skip_special_tokens=False)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("text prompts need a tokenizer; this server has none, so send token ids")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens (EOS, chat markers) are left out of a completion's text, as vLLM's
+        ``skip_special_tokens`` default leaves them, and kept in a log-probability's token name."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _body(handler: BaseHTTPRequestHandler) -> bytes:

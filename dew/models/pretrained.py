@@ -195,7 +195,9 @@ class Pretrained:
         if directory is None:
             raise ValueError("Pretrained.load needs a directory (this Pretrained was built from a model)")
         tensors = read_safetensors(directory)
-        expected = jax.eval_shape(self.model().init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+        # Shapes only, traced whole: no device is touched, so a driver that reads a checkpoint can still fork safely.
+        model = self.model()
+        expected = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
         params: dict = {}
         for path, (name, transposed) in self.names().items():
             if name not in tensors:

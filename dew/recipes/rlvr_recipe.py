@@ -4,7 +4,7 @@ The built-in run trains :func:`decoder` on the tasks of :mod:`dew.data.verifiabl
 :func:`warm_start` fits it to the tasks' demonstrations (answers only) so that GRPO
 starts from a non-zero reward; :func:`grpo_job` builds the GRPO job (objective,
 PromptSource, RolloutScheduler, Prompts stream and Trainer) that both runs train with;
-:func:`measure_reward` samples held-out tasks through any
+:func:`measure_reward` samples held-out rows through any
 :class:`~dew.inference.RolloutServer` with fixed seeds and scores them; and
 :func:`sandbox_runner` / :data:`SANDBOX_LIMITS` say where and how code completions run.
 :class:`RLVRConfig` holds the options every form of the run shares; the pipeline's
@@ -14,7 +14,7 @@ config extends it with the Ray roles.
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,12 +32,14 @@ from dew.collection.sources import PromptSource
 from dew.collection.tasks import prompt_tasks
 from dew.config import Config
 from dew.data import Dataset, Loading, Prompts
-from dew.data.chat import Role
+from dew.data.chat import ChatMessages, Role
+from dew.data.loading import Record
+from dew.data.prompts import METADATA, metadata_text
 from dew.data.verifiable import (
+    FAMILIES,
     HELD_OUT,
     VerifiableTask,
     demonstration_dataset,
-    mean_by_family,
     teacher_errors,
     verifiable_tasks,
 )
@@ -46,6 +48,7 @@ from dew.losses.policy import lag_shares
 from dew.objectives import LMObjective
 from dew.objectives.grpo import GRPOObjective
 from dew.optimizers import skip_empty_updates
+from dew.sampling import Sampling
 from dew.sandbox import ProcessRunner, SandboxLimits, default_runner
 
 RUNNERS = ("bwrap", "process")
@@ -71,7 +74,9 @@ class RLVRConfig(Config):
     server's concurrent draws; sandbox_workers: programs run at once (per runner);
     runner: "bwrap" (bubblewrap) or "process" (trusted code only); progress: progress bars;
     max_token_lag, stale_token_weight: GRPOObjective's per-token version bound (None: every
-    admitted id trains) and the weight of the ids past it (0 drops them).
+    admitted id trains) and the weight of the ids past it (0 drops them); temperature, top_p,
+    top_k: how rollouts sample (the objective divides its logits by the same temperature);
+    warmup_steps: updates over which the learning rate rises linearly from 0 before the cosine.
     """
 
     steps: int = Field(80, ge=1)
@@ -98,6 +103,10 @@ class RLVRConfig(Config):
     progress: bool = True
     max_token_lag: int | None = Field(None, ge=0)
     stale_token_weight: float = Field(0.0, ge=0, lt=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    warmup_steps: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _schedule(self):
@@ -107,10 +116,28 @@ class RLVRConfig(Config):
         if self.train_tasks < self.tasks_per_step:
             raise ValueError(f"config field 'train_tasks' ({self.train_tasks}) must fill at least one batch of "
                              f"tasks_per_step={self.tasks_per_step}")
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"config field 'warmup_steps' ({self.warmup_steps}) must be less than steps "
+                             f"({self.steps}): the learning rate would never leave its warm-up")
         if self.stale_token_weight and self.max_token_lag is None:
             raise ValueError(f"config field 'stale_token_weight' ({self.stale_token_weight:g}) needs max_token_lag, "
                              "the lag past which sampled ids are down-weighted")
         return self
+def rollout_sampling(config: RLVRConfig, eos_ids) -> Sampling:
+    """How the run's servers draw: the config's temperature, top_p and top_k, ending at any of ``eos_ids``."""
+    return Sampling(eos_id=tuple(eos_ids), temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+
+
+def learning_rate_schedule(config: RLVRConfig):
+    """GRPO's step size: ``warmup_steps`` of linear rise, then a cosine from learning_rate to its floor."""
+    cosine = optax.cosine_decay_schedule(config.learning_rate, config.steps - config.warmup_steps,
+                                         alpha=config.learning_rate_floor)
+    if not config.warmup_steps:
+        return cosine
+    rise = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+    return optax.join_schedules([rise, cosine], [config.warmup_steps])
+
+
 # A one-line program needs a fraction of this; the limits stop a runaway loop or allocation.
 SANDBOX_LIMITS = SandboxLimits(cpu_seconds=5, wall_seconds=10, memory_bytes=512 << 20, output_bytes=1 << 16)
 
@@ -138,22 +165,28 @@ def sandbox_runner(name: str):
 
 def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, steps: int, batch: int,
                learning_rate: float, key, seed: int = 0, output_dir=None, progress: bool = True,
-               errors: float = 0.0):
+               errors: float = 0.0, pretrained=None, conversations=None):
     """SFT on the tasks' demonstrations (answers only, ``steps`` updates of AdamW with a warmup-cosine schedule
     peaking at ``learning_rate`` and gradients clipped at norm 1); returns the variables in host memory.
 
     ``errors``: the share of demonstrations whose answer carries the teacher's off-by-one slip
-    (:func:`~dew.data.verifiable.teacher_errors`). With ``steps=0`` the decoder's
-    initialisation is returned untouched.
+    (:func:`~dew.data.verifiable.teacher_errors`). ``pretrained``: the variables to start from
+    (default: the decoder's initialisation); ``conversations``: a file of chat conversations
+    (:class:`~dew.data.ChatMessages`, assistant turns trained) to fit instead of the
+    demonstrations. With ``steps=0`` the start is returned untouched.
     """
     # A high peak rate reaches a useful policy in few steps; warmup and clipping keep it from diverging.
     warmup = min(20, steps // 4)
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1),
                                                   learning_rate / 10)
-    trainer = Trainer(LMObjective(model, seq_len=width - 1, ema_decay=None, loss_role=Role.ASSISTANT),
+    trainer = Trainer(LMObjective(model, seq_len=width - 1, ema_decay=None, loss_role=Role.ASSISTANT,
+                                  pretrained=pretrained),
                       optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)), key=key,
                       progress=progress, output_dir=output_dir)
-    if steps:
+    if steps and conversations is not None:
+        demos = ChatMessages(tokenizer, conversations, seq_len=width - 1).load(batch=batch)
+        params = trainer.fit(demos, steps=steps, log_every=steps).params
+    elif steps:
         demos = demonstration_dataset(tokenizer, teacher_errors(tasks, errors, seed), seq_len=width - 1, batch=batch,
                                       seed=seed)
         params = trainer.fit(demos, steps=steps, log_every=steps).params
@@ -196,7 +229,8 @@ class GRPOJob:
 
 def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict], prompt_len: int,
              server: RolloutServer, reward: Callable[[str, str, str, str], float], *, loading: Loading,
-             score_workers: int, progress: bool, output_dir=None, push: str = "one") -> GRPOJob:
+             score_workers: int, progress: bool, output_dir=None, push: str = "one", eos_ids=None,
+             template_options=None) -> GRPOJob:
     """The GRPO job of the built-in run on one trainer process.
 
     GRPOObjective (TIS cap 2 on proximal over behaviour) from ``params``; a PromptSource on
@@ -210,16 +244,20 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     (the schedule counts the updates in the optimizer state, so a resumed run continues
     it); checkpoints in ``output_dir``; ``progress``: the Trainer's progress bar; ``push``:
     the scheduler's (a publisher every process calls, such as a SafetensorsReload, needs
-    "each").
+    "each"); ``eos_ids``: the ids that end a completion (default: the tokenizer's EOS);
+    ``template_options``: chat-template variables for message prompts (enable_thinking).
+    Completions are decoded without special tokens, as vLLM returns them.
     """
     processes = jax.process_count()
     if config.tasks_per_step % processes:
         raise ValueError(f"tasks_per_step={config.tasks_per_step} must divide over {processes} trainer processes")
     width = prompt_len + config.max_new_tokens  # one chain: the prompt, then the response
     objective = GRPOObjective(model, seq_len=width - 1, pretrained=params, behavior_importance=2.0,
-                              max_token_lag=config.max_token_lag, stale_token_weight=config.stale_token_weight)
-    source = PromptSource(server, reward, decode=tokenizer.decode, max_new_tokens=config.max_new_tokens,
-                          eos_ids=(tokenizer.eos_token_id,), workers=score_workers)
+                              max_token_lag=config.max_token_lag, stale_token_weight=config.stale_token_weight,
+                              sampling_temperature=None if config.temperature == 1.0 else config.temperature)
+    source = PromptSource(server, reward, decode=functools.partial(tokenizer.decode, skip_special_tokens=True),
+                          max_new_tokens=config.max_new_tokens, eos_ids=eos_ids or (tokenizer.eos_token_id,),
+                          workers=score_workers)
     records: list[SchedulerRecord] = []
     scheduler = RolloutScheduler(
         objective, source, server, width=width, rows=config.tasks_per_step // processes * config.samples,
@@ -242,45 +280,61 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
                            lag_shares(out["lags"][:, 1:], out["response_mask"][:, 1:] != 0).items()})
         return out
 
-    prompts = Prompts(records=list(rows), tokenizer=tokenizer, max_prompt_len=prompt_len,
-                      loading=loading).load(batch=config.tasks_per_step)
-    schedule = optax.cosine_decay_schedule(config.learning_rate, config.steps, alpha=config.learning_rate_floor)
-    optimizer = skip_empty_updates(optax.chain(optax.clip_by_global_norm(config.clip), optax.adam(schedule)))
+    prompts = Prompts(records=list(rows), tokenizer=tokenizer, max_prompt_len=prompt_len, loading=loading,
+                      template_options=template_options).load(batch=config.tasks_per_step)
+    optimizer = skip_empty_updates(optax.chain(optax.clip_by_global_norm(config.clip),
+                                               optax.adam(learning_rate_schedule(config))))
     trainer = Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
                       rollout=rollout, progress=progress, output_dir=output_dir)
     return GRPOJob(trainer=trainer, data=scheduler.tasks(prompts), scheduler=scheduler, source=source,
                    records=records, entered=entered, tasks=tasks, sessions=sessions, lag_shares=shares)
 
 
-def measure_reward(server, reward, tokenizer, tasks: Sequence[VerifiableTask], samples: int, max_new_tokens: int,
-                   seed: int, workers: int = 4) -> dict[str, float]:
-    """Mean reward of ``samples`` draws per task from the served policy, per family and overall (``"all"``).
+def held_out_label(data_source: str) -> str:
+    """The name a held-out data source is reported under: a built-in family's name, else the data source."""
+    return {source: family for family, source in FAMILIES.items()}.get(data_source, data_source)
 
-    Draw ``s`` of task ``i`` uses a seed fixed by (``seed``, i, s), so two measurements
-    of different weights compare the same random streams. Scoring runs on ``workers``
-    threads (code tasks wait on the sandbox).
+
+def measure_reward(server, reward, decode, rows: Sequence[dict], ids: Sequence[Sequence[int]], samples: int,
+                   max_new_tokens: int, seed: int, eos_ids: Sequence[int], workers: int = 4) -> dict[str, float]:
+    """The served policy's reward on held-out ``rows`` (prompt ``ids[i]`` for row i), ``samples`` draws each.
+
+    Returns the mean reward overall (``"all"``) and per data source (:func:`held_out_label`),
+    and with ``samples`` > 1 ``pass@k`` (the share of prompts with a draw of reward 1) overall
+    and per source, ``k = samples`` (mean@k is the mean). Draw ``s`` of row ``i`` uses a seed
+    fixed by (``seed``, i, s), so two measurements of different weights compare the same
+    random streams. Scoring runs on ``workers`` threads (code rows wait on the sandbox); a draw
+    whose server dies is drawn again (same seed) on another server of the pool.
     """
-    seeds = [(task, seed * 1_000_003 + index * 97 + sample) for index, task in enumerate(tasks)
-             for sample in range(samples)]
-    draws = [(task, server.submit(tokenizer.encode(task.prompt, add_special_tokens=False), max_new_tokens,
-                                  seed=draw_seed), draw_seed) for task, draw_seed in seeds]
-    eos = tokenizer.eos_token_id
+    if len(rows) != len(ids) or not rows:
+        raise ValueError(f"need prompt ids for every held-out row and at least one row, got {len(ids)} for {len(rows)}")
+    seeds = [(index, seed * 1_000_003 + index * 97 + sample) for index in range(len(rows)) for sample in range(samples)]
+    draws = [(index, server.submit(list(ids[index]), max_new_tokens, seed=draw_seed), draw_seed)
+             for index, draw_seed in seeds]
 
     def score(item) -> float:
-        task, future, draw_seed = item
-        fields = {"data_source": task.data_source, "ground_truth": task.ground_truth,
-                  "extra_info": json.dumps(dict(task.extra_info))}
+        index, future, draw_seed = item
+        record = Record("held-out", index, rows[index])
+        fields = {field: metadata_text(record, field) for field in METADATA}
         for attempt in range(DRAW_ATTEMPTS):
             try:
-                ids = future.result().ids
+                drawn = future.result().ids
                 break
             except ServerDied:  # a pool drops the dead server: the same draw (same seed) goes to another
                 if attempt == DRAW_ATTEMPTS - 1:
                     raise
-                future = server.submit(tokenizer.encode(task.prompt, add_special_tokens=False), max_new_tokens,
-                                       seed=draw_seed)
-        return score_completion(reward, tokenizer.decode, ids, (eos,), fields)
+                future = server.submit(list(ids[index]), max_new_tokens, seed=draw_seed)
+        return score_completion(reward, decode, drawn, tuple(eos_ids), fields)
 
     with ThreadPoolExecutor(workers) as pool:
-        rewards = list(pool.map(score, draws))
-    return mean_by_family([task for task, _, _ in draws], rewards)
+        rewards = np.asarray(list(pool.map(score, draws)), np.float64).reshape(len(rows), samples)
+    labels = np.asarray([held_out_label(str(row["data_source"])) for row in rows])
+    out = {"all": float(rewards.mean())}
+    for label in sorted(set(labels)):
+        out[label] = float(rewards[labels == label].mean())
+    if samples > 1:
+        passed = (rewards >= 1.0).any(axis=1)
+        out[f"pass@{samples}"] = float(passed.mean())
+        for label in sorted(set(labels)):
+            out[f"pass@{samples}/{label}"] = float(passed[labels == label].mean())
+    return out

@@ -27,7 +27,6 @@ with an output directory (a one-stage command); the Ray chain's
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +41,7 @@ from dew.data.chat import ChatMessages
 from dew.data.preference_pairs import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.models.pretrained import Pretrained, load_pretrained
+from dew.recipes.reward_routing import reward_function
 from dew.recipes.stage_chain import Stage, stage_trainer
 from dew.experiment_trackers import TrackerOptions
 from dew.sandbox.verifiable_rewards import MathReward
@@ -56,7 +56,10 @@ class StageOptions(Config):
     data: the data file or directory; steps: batches to train; seq_len: SFT's predicted
     positions (rows of seq_len + 1 ids) or DPO's pair width; column: SFT's conversation column;
     max_prompt_len: GRPO's prompt width (a longer prompt keeps its end); beta: DPO's or GRPO's
-    (None: the objective's default); reward, groups, max_new_tokens, top_k, top_p: GRPO's.
+    (None: the objective's default); reward: GRPO's reward, "math", "module:function" or
+    "path/file.py:function"; groups: GRPO's completions per prompt; max_new_tokens: GRPO's
+    response budget; top_k, top_p: GRPO's sampling filters; log_every: updates between log lines
+    (default: a tenth of steps).
     """
 
     data: str
@@ -81,9 +84,11 @@ class StageSpec(StageOptions):
 
 
 class ModelOptions(Config):
-    """The model a run trains and how: model, the Hugging Face model directory; tokenizer, its
-    tokenizer (default: the model directory's); batch, rows per batch; learning_rate, AdamW's;
-    seed, the run's key."""
+    """The model a run trains and how.
+
+    model: the Hugging Face model directory; tokenizer: its tokenizer (default: the model
+    directory's); batch: rows per batch; learning_rate: AdamW's; seed: the run's key.
+    """
 
     model: str
     tokenizer: str | None = None
@@ -104,21 +109,27 @@ class StageRun(ModelOptions, StageOptions, TrackerOptions):
 
 
 def load_reward(name: str | None) -> Callable[[str, str, str, str], float]:
-    """``"math"`` or an importable ``"module:function"`` with dew's reward signature."""
+    """``"math"``, or a function of dew's reward signature: ``"module:function"`` or ``"path/file.py:function"``
+    (:func:`~dew.recipes.reward_routing.reward_function`: a module in the working directory imports too)."""
     if name is None:
-        raise ValueError("a grpo stage needs config field 'reward': \"math\" or \"module:function\"")
+        raise ValueError("a grpo stage needs config field 'reward': \"math\", \"module:function\" or "
+                         "\"file.py:function\"")
     if name == "math":
         return MathReward()
-    module, sep, attribute = name.partition(":")
-    if not sep or not module or not attribute:
-        raise ValueError(f"config field 'reward' must be \"math\" or \"module:function\", got {name!r}")
-    try:
-        reward = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"config field 'reward': cannot import {name!r} ({error})") from None
-    if not callable(reward):
-        raise ValueError(f"config field 'reward': {name!r} is not callable")
-    return reward
+    return reward_function(name)
+
+
+def check_context(options: StageOptions, kind: str, model, model_dir) -> None:
+    """Refuse a stage whose rows would not fit the model's context, naming the fields that set their width."""
+    context = model.max_seq_len
+    if kind == "grpo":
+        width, parts = options.max_prompt_len + options.max_new_tokens, (
+            f"max_prompt_len={options.max_prompt_len} + max_new_tokens={options.max_new_tokens}")
+    else:
+        width, parts = options.seq_len + (kind == "sft"), f"seq_len={options.seq_len}" + (" + 1" if kind == "sft" else "")
+    if width > context:
+        raise ValueError(f"a {kind} stage's rows of {width} ids ({parts}) exceed the model's context, "
+                         f"max_position_embeddings={context} in {Path(model_dir) / 'config.json'}: lower them")
 
 
 def stage_of(options: StageOptions, kind: str, name: str, tokenizer) -> Stage:
@@ -164,6 +175,7 @@ def run_stage(config: StageRun, kind: str, progress: bool = True) -> tuple[Train
     """Train one stage in this process (see the module docstring); returns its final state and policy directory."""
     tokenizer = model_tokenizer(config.model, config.tokenizer)
     model, start = load_pretrained(config.model)
+    check_context(config, kind, model, config.model)
     stage = stage_of(config, kind, kind, tokenizer)
     output = Path(config.output_dir).expanduser()
     output.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""``session_metrics``: what a batch of sessions says about the rollouts behind it."""
+"""``session_metrics``: what a batch of sessions says about the rollouts behind it; ``reward_metrics``: the
+rewards and response lengths every GRPO and PPO path logs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,40 @@ import numpy as np
 
 from dew.records.session_packing import chains_of
 from dew.records.session_records import Session, Status, check_truncation, training_reward
+
+
+def reward_metrics(sessions: Sequence[Session], rewards: Sequence[float] | None = None) -> dict[str, float]:
+    """What a batch's rewards and responses say: how a GRPO run is judged.
+
+    ``reward/mean`` and ``reward/std`` over ``rewards`` (default: each session's reward);
+    ``reward/equal_group_share``, the share of groups (sessions of one task and group) whose
+    rewards are all equal, which give no advantage; ``response/length_mean``,
+    ``response/length_max`` (sampled ids per session) and ``response/truncated_share`` (the
+    share whose last call hit its length budget); ``reward/source/<data_source>``, the mean
+    per data source of the task.
+    """
+    values = np.asarray([s.reward for s in sessions] if rewards is None else rewards, np.float64)
+    if len(values) != len(sessions):
+        raise ValueError(f"need one reward per session, got {len(values)} for {len(sessions)}")
+    out: dict[str, float] = {}
+    if not len(values):
+        return {"reward/mean": float("nan")}
+    out["reward/mean"], out["reward/std"] = float(values.mean()), float(values.std())
+    groups: dict[tuple, list[float]] = {}
+    sources: dict[str, list[float]] = {}
+    for session, value in zip(sessions, values):
+        groups.setdefault(session.key, []).append(float(value))
+        source = session.task.data.get("data_source")
+        if source is not None:
+            sources.setdefault(str(source), []).append(float(value))
+    out["reward/equal_group_share"] = float(np.mean([max(g) == min(g) for g in groups.values()]))
+    lengths = np.asarray([sum(len(c.sampled_ids) for c in s.calls) for s in sessions], np.float64)
+    out["response/length_mean"], out["response/length_max"] = float(lengths.mean()), float(lengths.max())
+    out["response/truncated_share"] = float(np.mean([bool(s.calls) and s.calls[-1].finish_reason == "length"
+                                                     for s in sessions]))
+    for source, scores in sorted(sources.items()):
+        out[f"reward/source/{source}"] = float(np.mean(scores))
+    return out
 
 
 def session_metrics(
@@ -20,7 +55,7 @@ def session_metrics(
     """What a batch of sessions says about the rollouts behind it.
 
     ``sessions/calls_per_chain``; ``masked_share/<status>``: the share of all sampled ids
-    that belong to sessions of that status and do not train; ``reward/mean`` over
+    that belong to sessions of that status and do not train; :func:`reward_metrics` over
     trained sessions and ``reward/<component>`` means; with ``latencies`` (seconds)
     ``latency/p50``, ``latency/p90``, ``latency/p99``, ``latency/max``; with the current
     ``version``, ``version_lag/mean`` and ``version_lag/max`` over the batch's sampled ids.
@@ -30,7 +65,7 @@ def session_metrics(
     calls = chains = 0
     sampled_total = 0
     masked: dict[str, int] = {status.name.lower(): 0 for status in Status}
-    rewards, components = [], {}
+    rewards, components, trained = [], {}, []
     for number, session in enumerate(sessions):
         sampled = sum(len(c.sampled_ids) for c in session.calls)
         sampled_total += sampled
@@ -39,6 +74,7 @@ def session_metrics(
             masked[session.status.name.lower()] += sampled
             continue
         rewards.append(reward)
+        trained.append(session)
         for name, value in session.components.items():
             components.setdefault(name, []).append(float(value))
         session_chains = chains_of(session, number)
@@ -47,7 +83,7 @@ def session_metrics(
     metrics["sessions/calls_per_chain"] = calls / chains if chains else 0.0
     for status, count in masked.items():
         metrics[f"masked_share/{status}"] = count / sampled_total if sampled_total else 0.0
-    metrics["reward/mean"] = float(np.mean(rewards)) if rewards else float("nan")
+    metrics.update(reward_metrics(trained, rewards))
     for name, values in components.items():
         metrics[f"reward/{name}"] = float(np.mean(values))
     if latencies:

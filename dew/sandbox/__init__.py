@@ -3,12 +3,13 @@
 from dew.sandbox.subprocess_environment import SubprocessEnvironment, WorkerEnvironment
 from dew.sandbox.fleet import SandboxFleet
 from dew.sandbox.program import Outcome, Program, SandboxLimits, Verdict
-from dew.sandbox.verifiable_rewards import CodeReward, MathReward
+from dew.sandbox.verifiable_rewards import CodeReward, GSM8KReward, MathReward
 from dew.sandbox.runners import BwrapRunner, ContainerRunner, ProcessRunner, Runner, default_runner
 
 __all__ = [
     "BwrapRunner",
     "CodeReward",
+    "GSM8KReward",
     "ContainerRunner",
     "default_runner",
     "MathReward",

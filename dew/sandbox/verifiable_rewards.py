@@ -320,6 +320,43 @@ class MathReward:
         return "MathReward()"
 
 
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_GSM8K_NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
+GSM8K_CLIP_CHARS = 300  # verl reads only a completion's last 300 characters (its regexes are slow on long text)
+
+
+class GSM8KReward:
+    """verl's GSM8K rule (``verl/utils/reward_score/gsm8k.py``, v0.5): 1.0 when the completion's answer equals
+    the ground truth as text, else 0.0.
+
+    ``"strict"`` (verl's default) reads the last ``#### <number>`` of the completion's last
+    300 characters, so the format is part of the task; ``"flexible"`` reads the last number
+    there. Commas and dollar signs are dropped from the answer before comparing.
+    """
+
+    def __init__(self, method: str = "strict"):
+        if method not in ("strict", "flexible"):
+            raise ValueError(f"GSM8KReward: method must be 'strict' or 'flexible', got {method!r}")
+        self.method = method
+
+    def answer(self, completion: str) -> str | None:
+        text = completion[-GSM8K_CLIP_CHARS:]
+        if self.method == "strict":
+            found = _GSM8K_STRICT.findall(text)
+            return found[-1].replace(",", "").replace("$", "") if found else None
+        return next((number for number in reversed(_GSM8K_NUMBER.findall(text)) if number not in ("", ".")), None)
+
+    def __call__(self, data_source: str, completion: str, ground_truth: str, extra_info: str) -> float:
+        if not isinstance(ground_truth, str) or not ground_truth:
+            raise ValueError(f"GSM8KReward needs the answer as a non-empty string ground_truth, got {ground_truth!r}")
+        if not isinstance(completion, str):
+            return 0.0
+        return float(self.answer(completion) == ground_truth)
+
+    def __repr__(self) -> str:
+        return f"GSM8KReward({self.method!r})"
+
+
 # ---------------------------------------------------------------------------- code
 
 _OPENING_FENCE = re.compile(r"[ \t]*(`{3,})[ \t]*([^\s`]*)[^`]*")

@@ -47,7 +47,15 @@ from dew.config import load_config
 from dew.validation import distinct
 from dew.experiment_trackers import MetricWriters, TrackerOptions
 from dew.models.pretrained import Pretrained
-from dew.recipes.stage_files import ModelOptions, StageSpec, decoding, export_policy, model_tokenizer, stage_of
+from dew.recipes.stage_files import (
+    ModelOptions,
+    StageSpec,
+    check_context,
+    decoding,
+    export_policy,
+    model_tokenizer,
+    stage_of,
+)
 from dew.recipes.stage_chain import stage_trainer
 from dew_ray.actors import start_trainer_group, step_group
 from dew_ray.actors.trainer_actor import TrainJob
@@ -89,6 +97,7 @@ def stage_job(config: ChainConfig, index: int, run_dir: str, start: list | None)
     model = pretrained.model()
     # a later stage starts from the previous policy: the directory's weights are read for the first stage only
     variables = pretrained.load() if start is None else ray.get(start[0])
+    check_context(spec, spec.kind, model, config.model)
     stage = stage_of(spec, spec.kind, spec.name, tokenizer)
     trainer, data = stage_trainer(model, optax.adamw(config.learning_rate),
                                   jax.random.fold_in(jax.random.key(config.seed), index + 1),

@@ -4,8 +4,8 @@
 
 What runs where:
 
-- a Ray task warm-starts the built-in decoder with SFT on the tasks' demonstrations
-  (:func:`dew.recipes.rlvr_recipe.warm_start`);
+- a Ray task warm-starts the built-in decoder with SFT on the tasks' demonstrations, or a
+  user's model on the ``warm_start`` conversations (:func:`dew.recipes.rlvr_recipe.warm_start`);
 - ``servers`` RolloutServerActors serve it (NativeRolloutServer, continuous batching), or
   with ``engine="vllm"`` ``servers`` VLLMEngineActors each own a vLLM process launched on
   ``<run_dir>/engine/policy``, drawn from with OpenAIRolloutServer and published to by
@@ -23,13 +23,14 @@ What runs where:
 - the driver (this process) only builds the actors, steps the trainers, writes the run
   directory and sets the dashboard series (:mod:`dew_ray.dashboard_metrics`).
 
-Prompts are the built-in verifiable tasks (:mod:`dew.data.verifiable`), or verl-style
-rows from ``prompts`` (a Parquet or JSONL file with ``data_source``, ``prompt``,
-``reward_model.ground_truth``, ``extra_info``, such as the parquet verl's
-``gsm8k_tool_agent_loop.py`` writes), encoded with the built-in character tokenizer for
-the built-in decoder (a prompt of chat messages through its template): rows of the code
-data source run in the sandbox, every other row is scored by MathReward against its
-ground truth.
+What it trains is worked out by :func:`dew.recipes.rlvr_plan.plan_run` before anything
+starts: the built-in decoder warm-started on the built-in verifiable tasks
+(:mod:`dew.data.verifiable`), or a Hugging Face model directory (``model``) with its
+tokenizer; verl-style prompt rows from ``prompts``/``val_prompts`` (Parquet, JSON lines or
+a ``save_to_disk`` directory with ``data_source``, ``prompt``, ``reward_model.ground_truth``,
+``extra_info``, such as verl's ``gsm8k.py`` writes), chat messages rendered by the
+tokenizer's chat template; and the reward: the verifiable routes by ``data_source`` (code
+rows in the sandbox) or the user's ``"module:function"``.
 
 The run directory is resolved once, before any actor starts: a relative one against the
 driver's working directory (on a local cluster, or one it attached to), and a submitted job
@@ -67,6 +68,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -74,23 +76,16 @@ import ray
 from flax import serialization
 from tqdm import tqdm
 
-from dew.data.verifiable import task_tokenizer
 from dew.experiment_trackers import MetricWriters
-from dew.inference.engines import engine_dir, engine_python
-from dew.models.pretrained import Pretrained
-from dew.recipes.rlvr_recipe import built_in_tasks, decoder, measure_reward, sandbox_runner
+from dew.inference.engines import engine_dir, vllm_python
+from dew.recipes.rlvr_plan import PlanError, RunPlan, plan_run
+from dew.recipes.rlvr_recipe import measure_reward, sandbox_runner
 from dew.sandbox import BwrapRunner, Program, SandboxLimits, Verdict
 from dew_ray.actors import step_group
 from dew_ray.dashboard_metrics import PipelineMetrics
 from dew_ray.pipelines.rlvr_actors import RLVRActors
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
-from dew_ray.pipelines.rlvr_job import (
-    Setup,
-    pipeline_reward,
-    prompt_length,
-    prompt_rows,
-    warm_start_task,
-)
+from dew_ray.pipelines.rlvr_job import Setup, pipeline_reward, warm_start_task
 from dew_ray.pipelines.rlvr_report import plot, print_summary
 from dew_ray.pipelines.run_dirs import PreflightError, pipeline_main, resolve_run_dir, start_ray, writable
 
@@ -136,6 +131,7 @@ class RLVRPipeline:
         self.step_count = 0
         self.runner = None  # the sandbox runner the preflight started a program in; the runner actors get it
         self.sandbox: str | None = None
+        self.plan: RunPlan | None = None  # what the run trains, worked out by the preflight
 
     @property
     def pool(self):
@@ -154,12 +150,26 @@ class RLVRPipeline:
         Returns which sandbox runs the code tasks (``start`` runs this first when nobody did).
         """
         writable(self.run_dir)
-        if self.config.engine == "vllm" and engine_python("vllm") is None:
+        given = self.config.engine_python
+        if self.config.engine == "vllm" and given is not None and not os.access(Path(given).expanduser(), os.X_OK):
+            raise PreflightError(f"config field 'engine_python' ({given!r}) is not an executable python on this node")
+        if self.config.engine == "vllm" and given is None and vllm_python() is None:
             raise PreflightError(f"engine=vllm needs the vLLM engine environment ({engine_dir('vllm')}), which is not "
-                                 "built: run `uv run python tools/engine_env.py vllm` (a few minutes, once)")
+                                 "built: run `uv run python tools/engine_env.py vllm` (a few minutes, once; "
+                                 "`vllm-cuda` on a GPU node), or set engine_python to a python with vLLM")
+        self.preflight_plan()
         self.runner = check_sandbox(self.config.runner)
         self.sandbox = describe_runner(self.runner)
         return self.sandbox
+
+    def preflight_plan(self) -> RunPlan:
+        """Read the model and prompts and check what the run needs of them (:func:`plan_run`), once."""
+        if self.plan is None:
+            try:
+                self.plan = plan_run(self.config)
+            except PlanError as error:
+                raise PreflightError(str(error)) from None
+        return self.plan
 
     def start(self) -> dict:
         """Start Ray (unless attached), warm-start or read back the warm start, start every actor."""
@@ -183,22 +193,13 @@ class RLVRPipeline:
                                  f"{ray.cluster_resources().get('GPU', 0):g}")
         (self.run_dir / "config.json").write_text(json.dumps({**config.model_dump(), "run_dir": str(self.run_dir)},
                                                              indent=2))
-        tokenizer = task_tokenizer()
-        train, self.held_out = built_in_tasks(config)
-        rows = prompt_rows(config, train)
-        prompt_len = max(prompt_length(rows, tokenizer),
-                         *(len(tokenizer.encode(t.prompt, add_special_tokens=False)) for t in self.held_out))
-        width = prompt_len + config.max_new_tokens
-        answer = max(len(tokenizer.encode(t.answer, add_special_tokens=False)) + 1 for t in train)
-        if config.max_new_tokens < answer:
-            raise PreflightError(f"config field 'max_new_tokens' ({config.max_new_tokens}) is shorter than the longest "
-                                 f"reference answer of the tasks ({answer} ids with EOS): the warm start could not "
-                                 "show it and no completion could reach it")
-        model = decoder(len(tokenizer), max_seq_len=width, engine=config.engine)
-        self.setup = setup = Setup(config, str(self.run_dir), width, prompt_len, rows, model, tokenizer)
+        plan = self.preflight_plan()
+        self.setup = setup = Setup(config, str(self.run_dir), plan.width, plan.prompt_len, plan.train.rows,
+                                   plan.policy.model, plan.policy.tokenizer, plan.policy.pretrained, plan.eos_ids,
+                                   plan.reward, plan.template_options)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
         self.actors = actors = RLVRActors(setup, name=f"dew-rlvr-{self.run_dir.resolve().name}")
-        self.params = self._warm_params(setup, train)
+        self.params = self._warm_params(setup, plan)
         actors.start_roles(self.params, self.runner)
         self.metrics = PipelineMetrics(self.run_dir.resolve().name)
 
@@ -216,16 +217,26 @@ class RLVRPipeline:
         self._read_rows(self.step_count)
         self._read_curve(self.step_count)  # a fresh run's step-0 point goes to the trackers too
         self._last = time.perf_counter()
-        return {"restored": started[0]["restored"], "step": self.step_count, "width": width,
+        return {"restored": started[0]["restored"], "step": self.step_count, "width": plan.width,
                 "reward_before": self.reward_before, "parameters": sum(int(x.size) for x in _leaves(self.params))}
 
-    def _warm_params(self, setup: Setup, train):
+    def needs_warm_start(self) -> bool:
+        """Whether ``start`` will run an SFT warm start (none has been written yet and the run asks for one)."""
+        plan = self.preflight_plan()
+        wanted = plan.policy.params is None or self.config.warm_start is not None
+        return wanted and self.config.sft_steps > 0 and not (self.run_dir / "warm_start.msgpack").exists()
+
+    def _warm_params(self, setup: Setup, plan: RunPlan):
+        """The weights GRPO starts from: a user's model as loaded (no warm_start file), else the warm start, run
+        once and read back on a rerun."""
+        if plan.policy.params is not None and self.config.warm_start is None:
+            return plan.policy.params
         path = self.run_dir / "warm_start.msgpack"
         if path.exists():
             return serialization.from_bytes(_init_template(setup.model), path.read_bytes())
         # in the first trainer's bundle, before the trainer starts there
         task = ray.remote(warm_start_task).options(**self.actors.placement.options("trainer", 0))
-        params = ray.get(task.remote(setup, train))
+        params = ray.get(task.remote(setup, plan.built_in, plan.policy.params))
         partial = path.with_suffix(".partial")
         partial.write_bytes(serialization.to_bytes(params))
         os.replace(partial, path)  # a crash mid-write leaves no half file to read back
@@ -317,8 +328,10 @@ class RLVRPipeline:
 
     def _measure(self) -> dict[str, float]:
         """The held-out reward of the policy the pool serves now."""
-        return measure_reward(self.pool, pipeline_reward(self.actors.fleet), self.setup.tokenizer, self.held_out,
-                              self.config.eval_samples, self.config.max_new_tokens, seed=self.config.seed + 1)
+        held_out = self.plan.held_out
+        return measure_reward(self.pool, pipeline_reward(self.setup, self.actors.fleet), self.setup.decode,
+                              held_out.rows, held_out.ids, self.config.eval_samples, self.config.max_new_tokens,
+                              seed=self.config.seed + 1, eos_ids=self.setup.eos_ids)
 
     def finish(self) -> dict:
         """Measure the final policy on the held-out tasks, export it, plot the run and write summary.json."""
@@ -328,7 +341,7 @@ class RLVRPipeline:
         if self.held_out_curve[-1]["step"] != self.step_count:
             self._held_out_point(self.step_count, after)
         policy = self.run_dir / "policy"
-        Pretrained.from_model(self.setup.model).save(params, policy)
+        self.setup.pretrained.save(params, policy)
         self.setup.tokenizer.save_pretrained(policy)
         tokens = sum(row.get("train/tokens", 0) for row in self.rows)
         wall = sum(row["wall"] for row in self.rows)
@@ -338,7 +351,17 @@ class RLVRPipeline:
             "wait_share": self.wait_share(), "rollout_tokens_per_second": tokens / wall if wall else None,
             "seconds": time.perf_counter() - self.started_at, "run_dir": str(self.run_dir.resolve()),
             "policy": str(policy.resolve()), "plot": str((self.run_dir / "rlvr.png").resolve()),
+            "prompts_filtered": {"train": self.plan.train.filtered, "held_out": self.plan.held_out.filtered},
         }
+        if not self.reward_before["all"] and not after["all"]:
+            why = (f"for the built-in decoder the warm start (sft_steps={self.config.sft_steps}) sets the starting "
+                   "reward: the default 400 steps start near 0.4, a few dozen leave it at 0"
+                   if self.config.model is None else
+                   "a random or untrained model, a response budget (max_new_tokens) too short for the answer, or a "
+                   "reward that does not read the model's format are the usual causes")
+            self.summary["note"] = ("every held-out draw scored 0 before and after: the policy never produced a "
+                                    f"rewarded answer ({why}), and GRPO cannot learn from groups whose rewards are "
+                                    "all equal (rollout/reward/equal_group_share in metrics.jsonl)")
         plot(self.rows, self.summary, self.run_dir / "rlvr.png", f"dew-ray RLVR: {self.run_dir.name}")
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         return self.summary
@@ -385,6 +408,11 @@ def run(config: RLVRPipelineConfig, address: str | None = None) -> dict:
     with RLVRPipeline(config, address) as pipeline:
         print(f"run directory {pipeline.run_dir}", flush=True)
         print(f"sandbox for code tasks: {pipeline.preflight()}", flush=True)
+        for line in pipeline.plan.describe():
+            print(line, flush=True)
+        if pipeline.needs_warm_start():
+            print(f"warm start: {config.sft_steps} SFT steps before the first update (nothing prints until they "
+                  "end; about a minute on 2 cores for the built-in decoder's 400)", flush=True)
         started = pipeline.start()
         if started["restored"]:
             print(f"resumed {pipeline.run_dir} at update {started['step']}", flush=True)

@@ -22,8 +22,6 @@ import functools
 import ray
 
 from dew.inference import SafetensorsReload, ServingTask
-from dew.models.pretrained import Pretrained
-from dew.sampling import Sampling
 from dew_ray.actors import (
     RemoteFleet,
     start_rollout_servers,
@@ -73,16 +71,17 @@ class RLVRActors:
         placement = lambda i: self.placement.options("rollout server", i)  # noqa: E731
         if config.engine == "vllm":  # the engines launch on the warm-started policy, written where they read it
             directory = engine_policy(setup.run_dir)
-            SafetensorsReload(Pretrained.from_model(setup.model), directory, [], "vllm").write(params)
+            SafetensorsReload(setup.pretrained, directory, [], "vllm").write(params)
+            setup.tokenizer.save_pretrained(directory)  # the engines load the run's tokenizer beside the weights
             actors, setup.engines = start_vllm_engines(
                 directory, config.servers, name=ENGINE_MODEL, dtype=config.engine_dtype, max_model_len=setup.width,
-                max_num_seqs=config.slots, args=engine_args(config), placement=placement)
+                max_num_seqs=config.slots, args=engine_args(config), placement=placement,
+                **({"python": config.engine_python} if config.engine_python else {}))
             # The driver's own pushes (the final policy, for the held-out measure) go through the disk whatever
             # engine_push the trainers use: the driver holds no GPU to broadcast from.
             self.pool = engine_rollouts(setup, version=-1)
             return actors
-        sampling = Sampling(eos_id=setup.tokenizer.eos_token_id, temperature=1.0)
-        self.pool = start_rollout_servers(ServingTask(setup.model, params, sampling), config.servers,
+        self.pool = start_rollout_servers(ServingTask(setup.model, params, setup.sampling()), config.servers,
                                           slots=config.slots, capacity=setup.width, version=-1, placement=placement,
                                           timeout=config.server_timeout)
         return [server.actor for server in self.pool.servers]

@@ -20,6 +20,26 @@ from dew.recipes.rlvr_recipe import RLVRConfig
 class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     """Options of one pipeline run: the built-in run's, and
 
+    model: a Hugging Face model directory to train (Llama, Qwen2 or Qwen3, as
+    :class:`~dew.models.pretrained.Pretrained` reads it; None: the built-in decoder,
+    warm-started on the built-in demonstrations); tokenizer: its tokenizer directory (default:
+    the model's); dtype: what the trainer computes in ("bfloat16": bfloat16 products over
+    float32 master weights); warm_start: an SFT file of chat conversations (a ``messages``
+    column, ChatMessages' layout) the model is first fitted to for ``sft_steps`` (None: a
+    user's model starts as it is); prompts, val_prompts: verl-layout prompts (Parquet, JSON
+    lines, or a directory ``datasets`` saved with ``save_to_disk``) to train on and to
+    measure on (None: the built-in tasks and held-out split; prompts without val_prompts
+    measures on the first ``eval_tasks`` prompt rows); message prompts render through the
+    tokenizer's chat template with the generation prompt, ``enable_thinking`` passed to
+    templates that read it; enable_thinking: the chat template's thinking switch (Qwen3's; None
+    leaves the template's default); max_prompt_length: prompts longer than this many ids are left out
+    and counted (verl's ``filter_overlong_prompts``; None keeps every prompt, the row width
+    following the longest); reward: "verifiable" (routes by ``data_source``: the built-in
+    families, ``openai/gsm8k`` by verl's GSM8K rule, competition math by MathReward; a source no
+    route scores is refused before any actor starts) or a function of dew's reward signature,
+    "module:function" or "path/to/file.py:function" (a relative path, or a module in the
+    working directory, resolves against the driver's working directory);
+
     run_dir: the run directory (relative paths resolve against the driver's working
     directory on a local cluster; a submitted job needs an absolute path every node
     reaches); trainers, servers, sandbox_runners: actors of each role; trainer_cpus,
@@ -29,8 +49,10 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     "native" (dew's RolloutServerActors, weights through the object store) or "vllm"
     (``servers`` vLLM engines owned by VLLMEngineActors, from the engine environment, drawn
     from through OpenAIRolloutServer and published by SafetensorsReload into
-    ``<run_dir>/engine/policy``, a path every engine's node must read); engine_dtype: what
-    vLLM computes in; server_gpus: GPUs in each rollout server's bundle (the vLLM engine
+    ``<run_dir>/engine/policy``, a path every engine's node must read); engine_python: the
+    python of an environment with vLLM installed, on every engine node (None: the one
+    ``tools/engine_env.py`` builds, its CUDA build ``vllm-cuda`` on a node with GPUs where built,
+    else the CPU build ``vllm``); engine_dtype: what vLLM computes in; server_gpus: GPUs in each rollout server's bundle (the vLLM engine
     inherits the actor's CUDA_VISIBLE_DEVICES). engine_push: how the trainer publishes to
     the engines, "reload" (SafetensorsReload through that directory) or "nccl" (NCCLPush:
     a broadcast from the trainer's GPU, so trainer_gpus and server_gpus must be set, and the
@@ -58,9 +80,18 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     trainer_cpus: float = Field(1.0, gt=0)
     server_cpus: float = Field(1.0, gt=0)
     sandbox_cpus: float = Field(0.25, gt=0)
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    warm_start: str | None = None
     prompts: str | None = None
+    val_prompts: str | None = None
+    enable_thinking: bool | None = None
+    max_prompt_length: int | None = Field(None, ge=1)
+    reward: str = "verifiable"
     checkpoint_every: int = Field(5, ge=1)
     engine: Literal["native", "vllm"] = "native"
+    engine_python: str | None = None
     engine_dtype: Literal["float32", "bfloat16"] = "float32"
     server_gpus: float = Field(0.0, ge=0)
     engine_push: Literal["reload", "nccl"] = "reload"
@@ -75,8 +106,20 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
         if self.tasks_per_step % self.trainers:
             raise ValueError(f"config field 'tasks_per_step' ({self.tasks_per_step}) must divide evenly over "
                              f"trainers={self.trainers}: each trainer process trains on its own share of the tasks")
-        if self.prompts is not None and not Path(self.prompts).is_file():
-            raise ValueError(f"config field 'prompts' names {self.prompts!r}, which is not a file")
+        for field in ("prompts", "val_prompts", "warm_start"):
+            value = getattr(self, field)
+            if value is not None and not Path(value).expanduser().exists():
+                raise ValueError(f"config field {field!r} names {value!r}, which is not a file or directory")
+        if self.model is not None and not Path(self.model).expanduser().is_dir():
+            raise ValueError(f"config field 'model' names {self.model!r}, which is not a directory (a Hugging Face "
+                             "model directory: config.json, safetensors, tokenizer files)")
+        if self.tokenizer is not None and self.model is None:
+            raise ValueError("config field 'tokenizer' needs 'model': the built-in decoder has its own tokenizer")
+        if self.reward != "verifiable" and ":" not in self.reward:
+            raise ValueError(f"config field 'reward' must be \"verifiable\", \"module:function\" or "
+                             f"\"path/to/file.py:function\", got {self.reward!r}")
+        if self.engine_python is not None and self.engine != "vllm":
+            raise ValueError("config field 'engine_python' needs engine='vllm'")
         if self.server_gpus and self.engine != "vllm":
             raise ValueError("config field 'server_gpus' needs engine='vllm': the native servers run on CPU here")
         if self.engine_push == "nccl" and (self.engine != "vllm" or not self.server_gpus or not self.trainer_gpus):

@@ -6,10 +6,10 @@ work from it (:func:`trainer_job`), the same GRPO job
 the one-process example trains (:func:`dew.recipes.rlvr_recipe.grpo_job`), here over a
 :class:`~dew_ray.actors.ServerPool` of the rollout-server actors (or, with ``engine="vllm"``,
 an EnginePool over the vLLM engines, :func:`engine_rollouts`), scored by the built-in
-rewards with code on the sandbox-runner actors (:class:`~dew_ray.actors.RemoteFleet`).
-Prompts are the built-in verifiable tasks, or verl-style rows from ``prompts`` (rows of
-the code data source run in the sandbox; every other data source is scored as math; a
-prompt may be text or chat messages, rendered by the character tokenizer's template).
+rewards with code on the sandbox-runner actors (:class:`~dew_ray.actors.RemoteFleet`), or by
+the user's reward function. What the setup holds (the policy, its tokenizer, the prompt rows
+and the row width) comes from :func:`dew.recipes.rlvr_plan.plan_run`: the built-in tasks and
+decoder, or the user's model and prompts.
 With ``verl_rows`` each process's report carries its admitted rollouts as verl
 AgentLoopOutput rows (:func:`dew.records.verl_rows.to_verl`).
 """
@@ -17,17 +17,14 @@ AgentLoopOutput rows (:func:`dew.records.verl_rows.to_verl`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax
-import pyarrow.parquet as pq
 
-from dew.data import Loading, Prompts
-from dew.inference.engines import engine_dir
-from dew.data.verifiable import MATH_SOURCE, task_rows
-from dew.recipes.reward_routing import RoutedReward, verifiable_reward
-from dew.recipes.rlvr_recipe import grpo_job, warm_start
+from dew.data import Loading
+from dew.inference.engines import engine_dir, engine_python
+from dew.recipes.reward_routing import verifiable_reward
+from dew.recipes.rlvr_recipe import grpo_job, rollout_sampling, warm_start
 from dew.models.pretrained import Pretrained
 from dew.records.verl_rows import to_verl
 from dew.sampling import Sampling
@@ -46,7 +43,17 @@ class Setup:
     rows: list[dict]
     model: object  # the flax module every process trains or serves (built once, pickled to the actors)
     tokenizer: object
+    pretrained: Pretrained  # the model's Hugging Face form: exports and the vLLM engines' files
+    eos_ids: tuple[int, ...]
+    reward: object = "verifiable"  # or the user's RewardFunction
+    template_options: dict = dataclasses.field(default_factory=dict)
     engines: list[str] | None = None  # engine="vllm": the engines' URLs, serving engine_policy(run_dir)
+
+    def sampling(self) -> Sampling:
+        return rollout_sampling(self.config, self.eos_ids)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 ENGINE_MODEL = "dew-rlvr"  # the name the run's vLLM engines serve the policy under
@@ -67,40 +74,18 @@ def engine_args(config) -> list[str]:
 def engine_rollouts(setup: Setup, version: int, push: str = "reload"):
     """The EnginePool over the run's vLLM engines, publishing into engine_policy(run_dir) or by NCCL broadcast."""
     config = setup.config
-    sampling = Sampling(eos_id=setup.tokenizer.eos_token_id, temperature=1.0)
-    library = config.nccl_library or str(next(engine_dir("vllm").glob(BUNDLED_NCCL), engine_dir("vllm") / BUNDLED_NCCL))
-    return vllm_rollouts(Pretrained.from_model(setup.model), engine_policy(setup.run_dir), setup.engines, sampling,
+    # the engines' environment: the user's (engine_python's prefix), else the CUDA build where built, else the CPU one
+    root = (Path(config.engine_python).expanduser().parent.parent if config.engine_python
+            else next((engine_dir(e) for e in ("vllm-cuda", "vllm") if engine_python(e)), engine_dir("vllm")))
+    library = config.nccl_library or str(next(root.glob(BUNDLED_NCCL), root / BUNDLED_NCCL))
+    return vllm_rollouts(setup.pretrained, engine_policy(setup.run_dir), setup.engines, setup.sampling(),
                          name=ENGINE_MODEL, version=version, served_dtype=config.engine_dtype,
                          nccl_library=library if push == "nccl" else None, timeout=config.server_timeout)
 
 
-def prompt_length(rows: list[dict], tokenizer) -> int:
-    """The longest prompt of ``rows`` in ids, as Prompts encodes them (token ids, text or chat messages)."""
-    prompts = Prompts(records=rows, tokenizer=tokenizer, max_prompt_len=1)
-    return max(len(prompts.prompt_ids(record)) for record in prompts.records)
-
-
-def prompt_rows(config: RLVRPipelineConfig, train) -> list[dict]:
-    """The training prompts: the built-in tasks' rows, or the verl-style rows of ``config.prompts``."""
-    if config.prompts is None:
-        return task_rows(train)
-    path = Path(config.prompts)
-    if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    else:
-        rows = pq.read_table(path).to_pylist()
-    for index, row in enumerate(rows):
-        for name in ("data_source", "prompt"):
-            if name not in row:
-                raise ValueError(f"{path}: row {index} has no {name!r} field")
-        if "ground_truth" not in (row.get("reward_model") or {}):
-            raise ValueError(f"{path}: row {index} has no reward_model.ground_truth")
-    return rows
-
-
-def pipeline_reward(fleet) -> RoutedReward:
-    """The built-in routes; any other data source is scored as math against its ground truth."""
-    return verifiable_reward(fleet, default=MATH_SOURCE)
+def pipeline_reward(setup: Setup, fleet):
+    """The run's reward: the verifiable routes (code on ``fleet``), or the user's function."""
+    return verifiable_reward(fleet) if setup.reward == "verifiable" else setup.reward
 
 
 class CountingFleet:
@@ -132,7 +117,8 @@ def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
     # The trainer's own bar stays off: the driver shows the run's. (The config is not rebuilt here: its checks,
     # the prompts file's existence among them, hold on the driver's machine, not necessarily on this node.)
     job = grpo_job(config, setup.model, params, tokenizer, setup.rows, setup.prompt_len, pool,
-                   pipeline_reward(fleet), loading=Loading(seed=config.seed),
+                   pipeline_reward(setup, fleet), loading=Loading(seed=config.seed),
+                   eos_ids=setup.eos_ids, template_options=setup.template_options,
                    score_workers=max(2, config.sandbox_workers * len(runners)), progress=False,
                    output_dir=str(Path(setup.run_dir) / "grpo"),
                    push="each" if setup.engines else "one")  # every process calls a SafetensorsReload
@@ -160,9 +146,12 @@ def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
     return TrainJob(job.trainer, job.data, close=close, report=report)
 
 
-def warm_start_task(setup: Setup, train):
-    """The SFT warm start, run as a Ray task on the trainer's share of the CPUs before the trainers start."""
+def warm_start_task(setup: Setup, train, start=None):
+    """The SFT warm start, run as a Ray task on the trainer's share of the CPUs before the trainers start:
+    the built-in demonstrations of ``train`` or the config's ``warm_start`` conversations, from ``start``
+    (a user's model) or the decoder's initialisation."""
     config = setup.config
-    return warm_start(setup.model, setup.tokenizer, train, setup.width, config.sft_steps, config.sft_batch,
+    return warm_start(setup.model, setup.tokenizer, train or [], setup.width, config.sft_steps, config.sft_batch,
                       config.sft_learning_rate, key=jax.random.fold_in(jax.random.key(config.seed), 1),
-                      seed=config.seed, progress=False, errors=config.sft_errors)
+                      seed=config.seed, progress=False, errors=config.sft_errors, pretrained=start,
+                      conversations=config.warm_start)

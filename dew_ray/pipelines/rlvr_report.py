@@ -48,9 +48,15 @@ def plot(rows: list[dict], summary: dict, path: Path, title: str) -> None:
 
 def print_summary(summary: dict) -> None:
     before, after = summary["reward_before"], summary["reward_after"]
-    families = ", ".join(f"{name} {before[name]:.3f} -> {after[name]:.3f}" for name in before if name != "all")
+    families = ", ".join(f"{name} {before[name]:.3f} -> {after[name]:.3f}" for name in before
+                         if name != "all" and not name.startswith("pass@"))
     share = summary["wait_share"]
     print(f"held-out reward {before['all']:.3f} -> {after['all']:.3f} ({families}) after {summary['steps']} updates")
+    passes = [name for name in before if name.startswith("pass@") and "/" not in name]
+    if passes:
+        print(f"held-out {passes[0]} {before[passes[0]]:.3f} -> {after[passes[0]]:.3f}")
+    if summary.get("note"):
+        print(f"note: {summary['note']}")
     curve = ", ".join(f"{point['step']}: {point['reward']['all']:.3f}" for point in summary["held_out"])
     print(f"held-out reward by update {curve}")
     print(f"rollout tokens trained per second {summary['rollout_tokens_per_second']:.0f}; trainer waited "
