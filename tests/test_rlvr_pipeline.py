@@ -449,6 +449,11 @@ def test_a_users_model_and_prompts_are_read_rendered_and_checked_before_any_work
                                                                     tokenize=True, return_dict=False))
                                  for row in verl_rows]
     assert verl.prompt_len == max(map(len, verl.held_out.ids)) and verl.held_out_source == f"val_prompts {VERL_PARQUET}"
+    # the built-in decoder on these prompts: its warm start's demonstrations must fit the rows too
+    built_in = plan_run(load_config(None, [f"prompts={parquet}"]))
+    demos = max(len(built_in.policy.tokenizer.encode(t.prompt, add_special_tokens=False)) for t in built_in.built_in)
+    assert built_in.prompt_len == max(built_in.train.longest, built_in.held_out.longest, demos)
+    assert built_in.policy.model.max_seq_len == built_in.width and built_in.train.rows == rows
     thinking = plan_run(load_config(None, [f"model={model}", f"prompts={parquet}", "enable_thinking=false"]))
     assert thinking.train.ids[0] == list(tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True,
                                                                        tokenize=True, enable_thinking=False,

@@ -102,12 +102,15 @@ def _plan(config) -> RunPlan:
     held_out = fit_prompts(held_rows, tokenizer, config.max_prompt_length,
                            "val_prompts" if config.val_prompts else "prompts", config.enable_thinking)
     prompt_len = max(train.longest, held_out.longest)
+    demonstrations = policy.model is None and config.warm_start is None  # the built-in warm start's
+    if demonstrations:  # its rows must fit too, whatever prompts GRPO trains on
+        prompt_len = max(prompt_len, *(len(tokenizer.encode(t.prompt, add_special_tokens=False)) for t in tasks))
     width = prompt_len + config.max_new_tokens
     if policy.model is None:  # the built-in decoder is sized to the run
         if config.dtype != "float32":
             raise PlanError(f"config field 'dtype' ({config.dtype!r}) needs 'model': the built-in decoder trains "
                             "in float32")
-        if config.prompts is None and config.warm_start is None:
+        if demonstrations:
             answer = max(len(tokenizer.encode(t.answer, add_special_tokens=False)) + 1 for t in tasks)
             if config.max_new_tokens < answer:
                 raise PlanError(f"config field 'max_new_tokens' ({config.max_new_tokens}) is shorter than the longest "

@@ -28,8 +28,9 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     column, ChatMessages' layout) the model is first fitted to for ``sft_steps`` (None: a
     user's model starts as it is); prompts, val_prompts: verl-layout prompts (Parquet, JSON
     lines, or a directory ``datasets`` saved with ``save_to_disk``) to train on and to
-    measure on (None: the built-in tasks and held-out split; prompts without val_prompts
-    measures on the first ``eval_tasks`` prompt rows); message prompts render through the
+    measure on (every val_prompts row is measured, ``eval_samples`` draws each; None: the
+    built-in tasks and held-out split, and prompts without val_prompts measures on the first
+    ``eval_tasks`` prompt rows); message prompts render through the
     tokenizer's chat template with the generation prompt, ``enable_thinking`` passed to
     templates that read it; enable_thinking: the chat template's thinking switch (Qwen3's; None
     leaves the template's default); max_prompt_length: prompts longer than this many ids are left out
