@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 
 from dew.data import Loading
-from dew.inference.engines import engine_dir, engine_python
+from dew.inference.engines import engine_dir, vllm_python
 from dew.recipes.reward_routing import verifiable_reward
 from dew.recipes.rlvr_recipe import grpo_job, rollout_sampling, warm_start
 from dew.models.pretrained import Pretrained
@@ -74,9 +74,9 @@ def engine_args(config) -> list[str]:
 def engine_rollouts(setup: Setup, version: int, push: str = "reload"):
     """The EnginePool over the run's vLLM engines, publishing into engine_policy(run_dir) or by NCCL broadcast."""
     config = setup.config
-    # the engines' environment: the user's (engine_python's prefix), else the CUDA build where built, else the CPU one
-    root = (Path(config.engine_python).expanduser().parent.parent if config.engine_python
-            else next((engine_dir(e) for e in ("vllm-cuda", "vllm") if engine_python(e)), engine_dir("vllm")))
+    # the engines' environment: the user's, else the one the engines launch from (vllm_python picks it)
+    python = config.engine_python or vllm_python()
+    root = Path(python).expanduser().parent.parent if python else engine_dir("vllm")
     library = config.nccl_library or str(next(root.glob(BUNDLED_NCCL), root / BUNDLED_NCCL))
     return vllm_rollouts(setup.pretrained, engine_policy(setup.run_dir), setup.engines, setup.sampling(),
                          name=ENGINE_MODEL, version=version, served_dtype=config.engine_dtype,
