@@ -8,6 +8,9 @@
   and how many updates behind it the oldest admitted call was sampled;
 - ``dew_rollout_tokens_per_second`` (gauge): sampled tokens admitted per second of wall time;
 - ``dew_trainer_wait_share`` (gauge): the share of wall time the trainer waited on rollouts;
+- ``dew_episode_turns``, ``dew_episode_truncated_share`` and ``dew_episode_tool_errors``
+  (gauges, runs with an environment): model calls per episode, the share a limit
+  truncated, and tool errors per episode (from environments that report them);
 - ``dew_sandbox_verdicts_total`` (counter, tag ``verdict``): sandboxed programs by Verdict.
 
 Ray's metrics agent exports them on every node in Prometheus format (with the ``ray_``
@@ -28,6 +31,9 @@ _GAUGES = {
     "policy_lag": "updates between the trained version and the oldest admitted call's",
     "rollout_tokens_per_second": "sampled tokens admitted per second of wall time",
     "trainer_wait_share": "share of wall time the trainer spent waiting for rollouts",
+    "episode_turns": "model calls per episode of the last update's admitted rollouts (environment runs)",
+    "episode_truncated_share": "share of the last update's episodes that a limit truncated (environment runs)",
+    "episode_tool_errors": "tool errors per episode of the last update (environments that report them)",
 }
 
 

@@ -594,3 +594,100 @@ def test_a_cluster_without_the_cpus_is_refused_before_the_warm_start(tmp_path):
         assert not (run / "warm_start.msgpack").exists()
     finally:
         ray.shutdown()
+
+
+TWO_TURNS = '''"""A user's environment factory for the pipeline test: one tool note after the first response, then the answer."""
+from dew.records.episode_protocol import Environment, Observation
+
+
+class TwoTurns(Environment):
+    def __init__(self, prompt, note):
+        self.prompt, self.note, self.turns = tuple(prompt), tuple(note), 0
+
+    def reset(self):
+        return Observation(self.prompt)
+
+    def step(self, action):
+        self.turns += 1
+        after = action.context + action.tokens
+        if self.turns == 1:
+            return Observation(after + self.note, "running", "noted")
+        return Observation(after, "completed", "answered")
+
+    def metrics(self):
+        return {"notes": float(min(self.turns, 1))}
+
+
+def factory(setup):
+    note = setup.tokenizer.encode("=note\\n", add_special_tokens=False)
+
+    def environment(task, identity):
+        return TwoTurns(task.data["prompt_ids"], note)
+
+    def verifier(task, episode):  # an even-length last response earns 1: groups whose rewards differ
+        return float(len(episode.transitions[-1].action.tokens) % 2 == 0)
+
+    return environment, verifier
+'''
+
+
+def test_environment_fields_are_checked_before_any_work(tmp_path):
+    from dew.recipes.rlvr_plan import PlanError, plan_run
+
+    with pytest.raises(ValueError, match="'environment' needs engine='native'"):
+        load_config(None, ["environment=calculator", "engine=vllm"])
+    with pytest.raises(ValueError, match="'max_turns' and 'max_context_tokens' need 'environment'"):
+        load_config(None, ["max_turns=3"])
+    plan = plan_run(load_config(None, ["environment=calculator", "max_turns=3"]))
+    # a model call reads the prompt, two earlier responses and two tool results: the row holds it and one response
+    assert plan.context_tokens == plan.prompt_len + 2 * 2 * 32 and plan.width == plan.context_tokens + 32
+    assert "environment: calculator, model calls read at most" in "\n".join(plan.describe())
+    assert plan_run(load_config(None, ["environment=calculator", "max_context_tokens=60"])).width == 92
+    with pytest.raises(PlanError, match="'max_context_tokens' \\(20\\) is shorter than the longest prompt"):
+        plan_run(load_config(None, ["environment=calculator", "max_context_tokens=20"]))
+    with pytest.raises(PlanError, match="config field 'environment' \\('missing.py:factory'\\): .* is not a file"):
+        plan_run(load_config(None, ["environment=missing.py:factory"]))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_pipeline_runs_a_users_multi_turn_environment_on_environment_workers(tmp_path):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    factory = tmp_path / "two_turns.py"
+    factory.write_text(TWO_TURNS)
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        run = tmp_path / "run"
+        # the driver API on a user's factory, named by file path, over two environment workers
+        with RLVRPipeline(tiny(run, steps=2, environment=f"{factory}:factory", environment_workers=2,
+                               environment_cpus=0.25, eval_samples=2, verl_rows=True, slots=8)) as pipeline:
+            pipeline.start()
+            assert len(pipeline.actors.environment_workers) == 2
+            pipeline.step(2)
+            summary = pipeline.finish()
+    finally:
+        ray.shutdown()
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:  # per-turn metrics: turns, truncations and the environment's own numbers
+        assert 1 <= line["rollout/episode/turns"] <= line["rollout/episode/turns_max"] <= 2
+        assert 0 <= line["rollout/episode/truncated"] < 1 and line["rollout/episode/notes"] == 1.0
+    note = task_tokenizer().encode("=note\n", add_special_tokens=False)
+    two_call = 0
+    for line in lines:  # the verl rows carry every call of a session
+        rows = [json.loads(text) for text in
+                (run / "verl_rows" / f"update-{line['step']:06d}.jsonl").read_text().splitlines()]
+        trajectories = from_verl(rows)
+        assert to_verl(trajectories) == rows
+        sessions = [t.session for t in trajectories]
+        assert {s.task.id for s in sessions} == set(line["tasks"]) and len(sessions) == 2 * 4
+        for session in sessions:
+            assert 1 <= len(session.calls) <= 2 and session.reward in (0.0, 1.0)
+            if len(session.calls) == 2:
+                first, second = session.calls
+                assert list(second.prompt_ids) == [*first.prompt_ids, *first.sampled_ids, *note]
+                two_call += 1
+    assert two_call
+    # the held-out measure ran the same episodes on the built-in held-out split
+    assert set(summary["reward_before"]) == {"all", "math", "code", "pass@2", "pass@2/math", "pass@2/code"}
+    assert 0 <= summary["reward_after"]["all"] <= 1

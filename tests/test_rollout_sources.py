@@ -12,6 +12,7 @@ import pytest
 from dew.inference import NativeRolloutServer, Server, ServingTask
 from dew.collection.sources import EnvironmentSource, PromptSource
 from dew.records.episode_protocol import Environment, EpisodeId, EpisodeStatus, Observation
+from dew.records.session_metrics import session_metrics
 from dew.records.session_packing import chain_lengths, pack
 from dew.records.session_records import Status, Task
 from dew.sampling import Sampling
@@ -143,6 +144,11 @@ class CountingTool(Environment):
             return Observation((), "completed", f"{self.turns} turns")
         return Observation(action.context + action.tokens + (TOOL_ID,))
 
+    def metrics(self):
+        if self.fail == "metrics":
+            raise RuntimeError("no counters")
+        return {"tool_calls": len(self.actions)}
+
     def close(self):
         self.released = True
         if self.fail == "exit":
@@ -195,6 +201,9 @@ def test_environment_source_multi_turn_sessions_pack_as_one_chain(eos_server, sh
         for before, after in zip(s.calls, s.calls[1:]):  # the next context extends the last one by the tool's id
             assert after.prompt_ids == [*before.prompt_ids, *before.sampled_ids, TOOL_ID]
         assert [a.policy_step for a in env.actions] == [c.version for c in s.calls][: len(env.actions)]
+        # turns, truncation and the environment's own numbers, read after its last step
+        assert s.episode_metrics == {"turns": len(s.calls), "truncated": float(s.status is Status.TRUNCATED),
+                                     "tool_calls": len(env.actions)}
         if s.status is Status.COMPLETED:
             assert len(s.calls) == 3 and s.reward == 3.0 and all(c.finish_reason == "stop" for c in s.calls)
         else:  # its last draw spent the budget: recorded, not sent to the tool, verified as truncated
@@ -206,6 +215,11 @@ def test_environment_source_multi_turn_sessions_pack_as_one_chain(eos_server, sh
     trained = [s for s in sessions + [pushed] if s.status is Status.COMPLETED]
     assert len(chain_lengths(trained, 64)) == len(trained)  # every session's calls merge into one chain
     batch = pack(sessions + [pushed], width=64)
+    logged = session_metrics(sessions, batch)  # every session's numbers, trained or not
+    assert logged["episode/turns"] == pytest.approx(np.mean([len(s.calls) for s in sessions]))
+    assert logged["episode/turns_max"] == max(len(s.calls) for s in sessions)
+    assert logged["episode/truncated"] == pytest.approx(np.mean([s.status is Status.TRUNCATED for s in sessions]))
+    assert logged["episode/tool_calls"] == pytest.approx(np.mean([s.episode_metrics["tool_calls"] for s in sessions]))
     for number, s in enumerate(sessions + [pushed]):
         columns = batch["session_index"] == number
         if s.status is Status.COMPLETED:
@@ -249,7 +263,7 @@ def test_environment_source_failures_are_infrastructure_errors(eos_server):
     harness = Harness()
     tasks = {
         "10": {"fail": "step"}, "11": {"fail": "error"}, "12": {"fail": "reset"}, "13": {"fail": "exit"},
-        "14": {"verifier": "crash"}, "15": {"verifier": "nan"},
+        "14": {"verifier": "crash"}, "15": {"verifier": "nan"}, "16": {"fail": "metrics"},
     }
     with source(eos_server, harness, max_new_tokens=8) as environments:
         results = {}
@@ -260,7 +274,7 @@ def test_environment_source_failures_are_infrastructure_errors(eos_server):
                                     if task_id == "12" or s.calls[0].finish_reason == "stop")
     details = {
         "10": "tool crashed", "11": "the tool said no", "12": "no sandbox left", "13": "cleanup failed",
-        "14": "grader down", "15": "finite",
+        "14": "grader down", "15": "finite", "16": "the environment's metrics() failed: RuntimeError('no counters')",
     }
     for task_id, session in results.items():
         assert session.status is Status.INFRA_ERROR and session.reward is None, (task_id, session)

@@ -301,8 +301,8 @@ def test_action_validation():
         Action((1,), (5,), eos=1, policy_step=0)
     with pytest.raises(ValueError, match="Action.tokens is empty"):
         Action((1,), (), eos=True, policy_step=0)
-    with pytest.raises(ValueError, match="Action.policy_step must be a non-negative integer, got -1"):
-        Action((1,), (5,), eos=False, policy_step=-1)
+    with pytest.raises(ValueError, match="Action.policy_step must be an integer >= -1, got -2"):
+        Action((1,), (5,), eos=False, policy_step=-2)  # -1 is a server's version before the first push
 
 
 def test_episode_and_id_validation():

@@ -28,6 +28,11 @@ environment raised, reported "error" or failed release INFRA_ERROR
 =====================================================  ==============================
 
 A TRUNCATED session's reward is for the scheduler's ``truncation`` option to use or not.
+An environment session's ``episode_metrics`` hold ``turns`` (model calls), ``truncated`` (1.0
+for a TRUNCATED session) and what the environment's optional ``metrics()`` reports (tool
+calls, tool errors), read inside its context after the verifier; a ``metrics()`` that raises
+or reports a non-number makes the session an INFRA_ERROR.
+
 ``cancel(future)`` stops a session at its next turn, also mid-draw (the in-flight
 draw is cancelled); work already inside a reward, an environment step or a verifier
 is not interrupted. ``close()`` (or leaving a ``with`` block) cancels what is still
@@ -44,7 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from dew.collection.episode_driver import EpisodeDriver, NotAnObservation
-from dew.collection.scoring import score_completion, token_text
+from dew.collection.scoring import finite_score, score_completion, token_text
 from dew.inference.rollout_server import Draw, DrawFuture, RolloutServer
 from dew.records.episode_protocol import Action, Environment, Episode, EpisodeId, EpisodeStatus, Observation, Transition
 from dew.records.session_records import Call, Session, SessionSource, Status, Task
@@ -310,6 +315,11 @@ class EnvironmentSource(_PooledSource):
         try:
             with opened as env:
                 session.status, session.reward, session.detail = self._episode(task, identity, env, session, live)
+                try:
+                    session.episode_metrics = self._episode_metrics(env, session)
+                except Exception as error:
+                    session.status, session.reward = Status.INFRA_ERROR, None
+                    session.detail = f"the environment's metrics() failed: {error!r}"
         except Exception as error:  # leaving the context failed: thrown out rather than scored
             session.status, session.reward = Status.INFRA_ERROR, None
             session.detail = f"releasing the environment failed: {error!r}"
@@ -323,6 +333,8 @@ class EnvironmentSource(_PooledSource):
                 self._turn(task, identity, env, episode, session, live)
         except _Stop as stop:
             return stop.status, None, stop.detail
+        except Exception as error:  # a turn the source could not record (an id the protocol refuses)
+            return Status.INFRA_ERROR, None, f"the episode failed: {error!r}"
         status, detail = _TERMINAL[episode.status], episode.detail
         if not self.driver.verifiable(episode):
             return status, None, detail
@@ -353,6 +365,15 @@ class EnvironmentSource(_PooledSource):
         ended = bool(draw.eos) or bool(draw.ids and draw.ids[-1] in self.eos_ids)
         action = Action(context, tuple(draw.ids), ended, policy_step=draw.version)
         episode.transitions.append(Transition(action, self._observe(lambda: self.driver.act(env, action, identity))))
+
+    @staticmethod
+    def _episode_metrics(env, session: Session) -> dict[str, float]:
+        """The session's turns, whether it was truncated, and what the environment's ``metrics()`` reports."""
+        reported = env.metrics() if callable(getattr(env, "metrics", None)) else {}
+        out = {"turns": float(len(session.calls)), "truncated": float(session.status is Status.TRUNCATED)}
+        for name, value in dict(reported).items():
+            out[str(name)] = finite_score(f"environment's metrics() entry {name!r}", value)
+        return out
 
     @staticmethod
     def _observe(operation: Callable[[], Observation]) -> Observation:

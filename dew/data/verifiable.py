@@ -312,16 +312,18 @@ def demonstration_documents(tokenizer, tasks: Sequence[VerifiableTask]) -> tuple
 
 
 def demonstration_dataset(tokenizer, tasks: Sequence[VerifiableTask], seq_len: int, batch: int,
-                          seed: int = 0) -> Dataset:
+                          seed: int = 0, documents: Callable = demonstration_documents) -> Dataset:
     """The tasks' demonstrations packed into ``[batch, seq_len + 1]`` rows for an SFT warm start.
 
     Rows carry ``text``, ``text_segment_ids``, ``text_positions`` and ``text_roles``;
     train with ``LMObjective(..., loss_role=Role.ASSISTANT)`` to learn the answers
     only. The stream reshuffles rows every epoch from ``seed``; there is no validation
-    split (measure the reward instead).
+    split (measure the reward instead). ``documents(tokenizer, tasks)`` writes the (ids, roles)
+    of each demonstration (default :func:`demonstration_documents`; a tool environment writes
+    its episodes).
     """
     positive_int("batch", batch)
-    documents, roles = demonstration_documents(tokenizer, tasks)
+    documents, roles = documents(tokenizer, tasks)
     longest = max(len(d) for d in documents)
     if longest > seq_len + 1:
         raise ValueError(f"a demonstration has {longest} ids; seq_len + 1 = {seq_len + 1} cannot hold it")

@@ -5,23 +5,19 @@ the tasks, and this module puts MathReward, GSM8KReward and CodeReward (in a San
 behind one reward callable (:func:`verifiable_reward`; :meth:`RoutedReward.check_sources`
 refuses a data source no route scores before any work). :class:`CachedCodeReward` runs
 each distinct program once per task. :func:`reward_function` resolves a config's
-``"module:function"`` or ``"path/to/file.py:function"`` into a :class:`RewardFunction`
-that pickles to other processes and loads there.
+``"module:function"`` or ``"path/to/file.py:function"`` into a
+:class:`~dew.recipes.function_reference.FunctionReference` that pickles to other processes
+and loads there.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
-import hashlib
-import importlib
-import importlib.util
-import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from dew.recipes.function_reference import FunctionReference, function_reference
 from dew.data.verifiable import CODE_HARNESS, CODE_SOURCE, MATH_SOURCE
 from dew.sandbox.verifiable_rewards import CodeReward, GSM8KReward, MathReward, last_python_block
 from dew.validation import positive_int
@@ -136,84 +132,7 @@ def verifiable_reward(fleet, all_or_nothing: bool = False, cache: bool = True, d
                          GSM8K_SOURCE: GSM8KReward(), **{source: math for source in MATH_SOURCES}}, default=default)
 
 
-@dataclasses.dataclass(frozen=True)
-class RewardFunction:
-    """A user's reward function by reference: ``file`` (an absolute path) or ``module`` found under ``search``.
-
-    It pickles as these strings and imports where it is called (a trainer actor on another
-    node needs the same path there), once per process.
-    """
-
-    spec: str
-    function: str
-    file: str | None = None
-    module: str | None = None
-    search: str | None = None
-
-    def load(self) -> Callable[[str, str, str, str], float]:
-        return _load(self)
-
-    def __call__(self, data_source: str, completion: str, ground_truth: str, extra_info: str) -> float:
-        return self.load()(data_source, completion, ground_truth, extra_info)
-
-
-@functools.cache
-def _load(reference: RewardFunction):
-    if reference.file is not None:
-        path = Path(reference.file)
-        if not path.is_file():
-            raise ValueError(f"config field 'reward' ({reference.spec!r}): {path} does not exist on this node")
-        name = "dew_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses and pickling inside the file look themselves up by name
-        try:
-            spec.loader.exec_module(module)
-        except Exception as error:
-            del sys.modules[name]
-            raise ValueError(f"config field 'reward' ({reference.spec!r}): running {path} raised "
-                             f"{type(error).__name__}: {error}") from error
-    else:
-        if reference.search and reference.search not in sys.path:
-            sys.path.append(reference.search)
-        module = importlib.import_module(reference.module)
-    function = getattr(module, reference.function, None)
-    if not callable(function):
-        where = reference.file or reference.module
-        raise ValueError(f"config field 'reward' ({reference.spec!r}): {where} has no function "
-                         f"{reference.function!r}")
-    return function
-
-
-def reward_function(spec: str, cwd: str | Path | None = None) -> RewardFunction:
-    """Resolve ``"module:function"`` or ``"path/file.py:function"`` now, importing it once to name any problem.
-
-    A path (ending in ``.py``) resolves against ``cwd`` (default: the working directory); a
-    module is looked up on ``sys.path`` and then in ``cwd``, so a file beside the command
-    imports without setting PYTHONPATH. The error says what was searched.
-    """
-    target, sep, function = spec.rpartition(":")
-    if not sep or not target or not function.isidentifier():
-        raise ValueError(f"config field 'reward' must be \"module:function\" or \"path/to/file.py:function\", "
-                         f"got {spec!r}")
-    cwd = Path(cwd or Path.cwd()).resolve()
-    if target.endswith(".py") or "/" in target:
-        path = (cwd / Path(target).expanduser()).resolve()
-        if not path.is_file():
-            raise ValueError(f"config field 'reward' ({spec!r}): {path} is not a file (a relative path resolves "
-                             f"against the working directory, {cwd})")
-        reference = RewardFunction(spec, function, file=str(path))
-    else:
-        search, top = None, target.split(".")[0]
-        if importlib.util.find_spec(top) is None:
-            if not (cwd / f"{top}.py").exists() and not (cwd / top).is_dir():
-                raise ValueError(f"config field 'reward' ({spec!r}): no module {target!r} on sys.path or in the "
-                                 f"working directory {cwd}; give a file path instead, such as "
-                                 f"\"rewards.py:{function}\"")
-            search = str(cwd)
-        reference = RewardFunction(spec, function, module=target, search=search)
-    try:
-        reference.load()
-    except ImportError as error:
-        raise ValueError(f"config field 'reward' ({spec!r}): importing {target!r} failed ({error})") from None
-    return reference
+def reward_function(spec: str, cwd: str | Path | None = None) -> FunctionReference:
+    """The config's reward ``"module:function"`` or ``"path/to/file.py:function"``, imported once now to name any
+    problem (:func:`~dew.recipes.function_reference.function_reference`)."""
+    return function_reference(spec, "reward", cwd)

@@ -7,7 +7,9 @@ held-out rows (``val_prompts``, else the first ``eval_tasks`` prompt rows, else 
 held-out split), renders and measures every prompt as the trainers will
 (:func:`~dew.recipes.run_inputs.fit_prompts`, ``max_prompt_length`` leaving longer ones out),
 sizes the row width, and checks what would fail later: the width past the model's context,
-a data source no reward route scores, a reward function that does not import. Every
+a data source no reward route scores, a reward function or environment factory that does
+not import, a context limit shorter than the prompts. With an ``environment`` the row
+holds the longest context a model call reads and one response. Every
 check names the fields involved and the values they add up to.
 """
 
@@ -15,11 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
-from dew.data.verifiable import task_rows, task_tokenizer
-from dew.recipes.reward_routing import VERIFIABLE_SOURCES, RewardFunction, check_sources, reward_function
+from dew.data.verifiable import demonstration_documents, task_rows, task_tokenizer
+from dew.recipes.calculator_environment import calculator_demonstrations
+from dew.recipes.function_reference import FunctionReference
+from dew.recipes.reward_routing import VERIFIABLE_SOURCES, check_sources, reward_function
 from dew.recipes.rlvr_recipe import built_in_tasks, decoder
+from dew.recipes.run_environment import environment_factory
 from dew.recipes.run_inputs import DTYPES, FittedPrompts, Policy, fit_prompts, load_policy, read_prompt_rows
 from dew.models.pretrained import Pretrained
 
@@ -38,10 +44,13 @@ class RunPlan:
     held_out_source: str  # where the held-out rows come from, for the run's first lines
     prompt_len: int
     width: int
-    reward: str | RewardFunction  # "verifiable", or the user's function by reference
+    reward: str | FunctionReference  # "verifiable", or the user's function by reference
     eos_ids: tuple[int, ...]
     template_options: dict
     built_in: list | None = None  # the built-in run's training tasks (its warm start's demonstrations)
+    environment: object = None  # the environment factory (config environment), or None for single-turn draws
+    context_tokens: int | None = None  # with an environment, the longest context a model call reads
+    demonstrations: Callable = demonstration_documents  # how the built-in warm start writes a task's demonstration
 
     def describe(self) -> list[str]:
         """The lines a run prints first: the model, the prompts and what was left out."""
@@ -49,10 +58,17 @@ class RunPlan:
                  f"{self.width - self.prompt_len} response)",
                  f"prompts: {len(self.train.rows)} to train on, {len(self.held_out.rows)} to measure on "
                  f"({self.held_out_source})"]
+        if self.environment is not None:
+            lines.append(f"environment: {self.environment_name}, model calls read at most {self.context_tokens} ids "
+                         f"(max_context_tokens) and draw {self.width - self.context_tokens} each")
         for name, fitted in (("training", self.train), ("measured", self.held_out)):
             if fitted.filtered:
                 lines.append(f"max_prompt_length: {fitted.filtered} {name} prompts longer than it were left out")
         return lines
+
+    @property
+    def environment_name(self) -> str:
+        return getattr(self.environment, "spec", getattr(self.environment, "__name__", repr(self.environment)))
 
 
 def _eos_ids(policy: Policy, directory: Path | None) -> tuple[int, ...]:
@@ -88,6 +104,7 @@ def _plan(config) -> RunPlan:
         held_rows = task_rows(held_tasks)
         held_source = "the built-in held-out split"
     reward = "verifiable" if config.reward == "verifiable" else reward_function(config.reward)
+    environment = environment_factory(config.environment) if config.environment else None
     if reward == "verifiable":
         check_sources({str(row["data_source"]) for row in [*rows, *held_rows]}, VERIFIABLE_SOURCES, "the prompts")
     if config.model is not None:
@@ -105,7 +122,13 @@ def _plan(config) -> RunPlan:
     demonstrations = policy.model is None and config.warm_start is None  # the built-in warm start's
     if demonstrations:  # its rows must fit too, whatever prompts GRPO trains on
         prompt_len = max(prompt_len, *(len(tokenizer.encode(t.prompt, add_special_tokens=False)) for t in tasks))
-    width = prompt_len + config.max_new_tokens
+    context = None
+    if environment is not None:  # a model call reads the prompt, earlier responses and tool results
+        context = config.max_context_tokens or prompt_len + (config.max_turns - 1) * 2 * config.max_new_tokens
+        if context < prompt_len:
+            raise PlanError(f"config field 'max_context_tokens' ({context}) is shorter than the longest prompt "
+                            f"({prompt_len} ids): no episode could make a model call")
+    width = (context or prompt_len) + config.max_new_tokens
     if policy.model is None:  # the built-in decoder is sized to the run
         if config.dtype != "float32":
             raise PlanError(f"config field 'dtype' ({config.dtype!r}) needs 'model': the built-in decoder trains "
@@ -121,12 +144,18 @@ def _plan(config) -> RunPlan:
     elif width > policy.model.max_seq_len:
         longest = (f"max_prompt_length={config.max_prompt_length}" if config.max_prompt_length
                    else "the longest prompt")
+        if context is not None:
+            raise PlanError(f"rows of {width} ids (max_context_tokens: {context} ids, + max_new_tokens="
+                            f"{config.max_new_tokens}) exceed the model's context, max_position_embeddings="
+                            f"{policy.model.max_seq_len}: lower max_context_tokens, max_turns or max_new_tokens")
         raise PlanError(f"rows of {width} ids ({longest}: {prompt_len} ids, + max_new_tokens="
                         f"{config.max_new_tokens}) exceed the model's context, max_position_embeddings="
                         f"{policy.model.max_seq_len}: lower max_new_tokens or set max_prompt_length")
     directory = Path(config.model).expanduser() if config.model else None
     return RunPlan(policy, train, held_out, held_source, prompt_len, width, reward, _eos_ids(policy, directory),
-                   options, built_in=tasks)
+                   options, built_in=tasks, environment=environment, context_tokens=context,
+                   demonstrations=calculator_demonstrations if config.environment == "calculator"
+                   else demonstration_documents)
 
 
 __all__ = ["DTYPES", "PlanError", "RunPlan", "plan_run"]

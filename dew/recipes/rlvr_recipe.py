@@ -28,8 +28,9 @@ from pydantic import Field, model_validator
 from dew import Trainer, models
 from dew.collection.scheduler import RolloutScheduler, SchedulerRecord
 from dew.collection.scoring import score_completion
-from dew.collection.sources import PromptSource
+from dew.collection.sources import EnvironmentSource, PromptSource
 from dew.collection.tasks import prompt_tasks
+from dew.records.session_records import SessionSource, Status, Task
 from dew.config import Config
 from dew.data import Dataset, Loading, Prompts
 from dew.data.chat import ChatMessages, Role
@@ -40,6 +41,7 @@ from dew.data.verifiable import (
     HELD_OUT,
     VerifiableTask,
     demonstration_dataset,
+    demonstration_documents,
     teacher_errors,
     verifiable_tasks,
 )
@@ -165,7 +167,7 @@ def sandbox_runner(name: str):
 
 def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, steps: int, batch: int,
                learning_rate: float, key, seed: int = 0, output_dir=None, progress: bool = True,
-               errors: float = 0.0, pretrained=None, conversations=None):
+               errors: float = 0.0, pretrained=None, conversations=None, documents=demonstration_documents):
     """SFT on the tasks' demonstrations (answers only, ``steps`` updates of AdamW with a warmup-cosine schedule
     peaking at ``learning_rate`` and gradients clipped at norm 1); returns the variables in host memory.
 
@@ -173,7 +175,9 @@ def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, st
     (:func:`~dew.data.verifiable.teacher_errors`). ``pretrained``: the variables to start from
     (default: the decoder's initialisation); ``conversations``: a file of chat conversations
     (:class:`~dew.data.ChatMessages`, assistant turns trained) to fit instead of the
-    demonstrations. With ``steps=0`` the start is returned untouched.
+    demonstrations; ``documents``: how a task's demonstration is written
+    (:func:`~dew.data.verifiable.demonstration_documents`, or a tool environment's episodes).
+    With ``steps=0`` the start is returned untouched.
     """
     # A high peak rate reaches a useful policy in few steps; warmup and clipping keep it from diverging.
     warmup = min(20, steps // 4)
@@ -188,7 +192,7 @@ def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, st
         params = trainer.fit(demos, steps=steps, log_every=steps).params
     elif steps:
         demos = demonstration_dataset(tokenizer, teacher_errors(tasks, errors, seed), seq_len=width - 1, batch=batch,
-                                      seed=seed)
+                                      seed=seed, documents=documents)
         params = trainer.fit(demos, steps=steps, log_every=steps).params
     else:
         params = trainer.initial_state().params
@@ -215,22 +219,24 @@ class GRPOJob:
     trainer: Trainer
     data: Dataset
     scheduler: RolloutScheduler
-    source: PromptSource
+    source: SessionSource
     records: list[SchedulerRecord]
     entered: list[float]
     tasks: list[list[str]]
     sessions: list[int]
     lag_shares: list[dict[str, float]]
+    owns_source: bool = True  # the job made its PromptSource (a source it was given is the caller's to close)
 
     def close(self) -> None:
         self.scheduler.close()
-        self.source.close()
+        if self.owns_source:
+            self.source.close()
 
 
 def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict], prompt_len: int,
              server: RolloutServer, reward: Callable[[str, str, str, str], float], *, loading: Loading,
              score_workers: int, progress: bool, output_dir=None, push: str = "one", eos_ids=None,
-             template_options=None) -> GRPOJob:
+             template_options=None, source: SessionSource | None = None, width: int | None = None) -> GRPOJob:
     """The GRPO job of the built-in run on one trainer process.
 
     GRPOObjective (TIS cap 2 on proximal over behaviour) from ``params``; a PromptSource on
@@ -246,18 +252,23 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     the scheduler's (a publisher every process calls, such as a SafetensorsReload, needs
     "each"); ``eos_ids``: the ids that end a completion (default: the tokenizer's EOS);
     ``template_options``: chat-template variables for message prompts (enable_thinking).
-    Completions are decoded without special tokens, as vLLM returns them.
+    Completions are decoded without special tokens, as vLLM returns them. ``source``: the
+    sessions to train on instead of that PromptSource (multi-turn episodes; ``reward`` and
+    ``score_workers`` are then unused, and the caller closes it); ``width``: the row width
+    (default: ``prompt_len + max_new_tokens``, one prompt and one response).
     """
     processes = jax.process_count()
     if config.tasks_per_step % processes:
         raise ValueError(f"tasks_per_step={config.tasks_per_step} must divide over {processes} trainer processes")
-    width = prompt_len + config.max_new_tokens  # one chain: the prompt, then the response
+    width = width or prompt_len + config.max_new_tokens  # one chain: the prompt, then the response(s)
     objective = GRPOObjective(model, seq_len=width - 1, pretrained=params, behavior_importance=2.0,
                               max_token_lag=config.max_token_lag, stale_token_weight=config.stale_token_weight,
                               sampling_temperature=None if config.temperature == 1.0 else config.temperature)
-    source = PromptSource(server, reward, decode=functools.partial(tokenizer.decode, skip_special_tokens=True),
-                          max_new_tokens=config.max_new_tokens, eos_ids=eos_ids or (tokenizer.eos_token_id,),
-                          workers=score_workers)
+    owned = source is None
+    if owned:
+        source = PromptSource(server, reward, decode=functools.partial(tokenizer.decode, skip_special_tokens=True),
+                              max_new_tokens=config.max_new_tokens, eos_ids=eos_ids or (tokenizer.eos_token_id,),
+                              workers=score_workers)
     records: list[SchedulerRecord] = []
     scheduler = RolloutScheduler(
         objective, source, server, width=width, rows=config.tasks_per_step // processes * config.samples,
@@ -287,7 +298,8 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     trainer = Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
                       rollout=rollout, progress=progress, output_dir=output_dir)
     return GRPOJob(trainer=trainer, data=scheduler.tasks(prompts), scheduler=scheduler, source=source,
-                   records=records, entered=entered, tasks=tasks, sessions=sessions, lag_shares=shares)
+                   records=records, entered=entered, tasks=tasks, sessions=sessions, lag_shares=shares,
+                   owns_source=owned)
 
 
 def held_out_label(data_source: str) -> str:
@@ -328,13 +340,58 @@ def measure_reward(server, reward, decode, rows: Sequence[dict], ids: Sequence[S
 
     with ThreadPoolExecutor(workers) as pool:
         rewards = np.asarray(list(pool.map(score, draws)), np.float64).reshape(len(rows), samples)
-    labels = np.asarray([held_out_label(str(row["data_source"])) for row in rows])
+    return reward_summary(rewards, [str(row["data_source"]) for row in rows])
+
+
+def held_out_tasks(rows: Sequence[dict], ids: Sequence[Sequence[int]]) -> list[Task]:
+    """The held-out rows as the scheduler's Tasks (``prompt_ids`` and the reward fields), ids fixed by position."""
+    tasks = []
+    for index, (row, prompt) in enumerate(zip(rows, ids, strict=True)):
+        record = Record("held-out", index, row)
+        tasks.append(Task(f"held-out-{index}", {"prompt_ids": [int(i) for i in prompt],
+                                                **{field: metadata_text(record, field) for field in METADATA}}))
+    return tasks
+
+
+def measure_episodes(source: EnvironmentSource, rows: Sequence[dict], ids: Sequence[Sequence[int]],
+                     samples: int) -> dict[str, float]:
+    """:func:`measure_reward` for multi-turn episodes: ``samples`` sessions of each held-out row through ``source``
+    (an EnvironmentSource on the served policy), as the same summary.
+
+    Sessions are group 0 of tasks named by row position, so their seeds (fixed by task, group,
+    sample and turn) repeat from one measurement to the next. An unscored session (cut by a
+    context or turn limit) counts 0; one that failed for the infrastructure runs again, up to
+    :data:`DRAW_ATTEMPTS` times, then raises naming it.
+    """
+    if len(rows) != len(ids) or not rows:
+        raise ValueError(f"need prompt ids for every held-out row and at least one row, got {len(ids)} for {len(rows)}")
+    tasks = held_out_tasks(rows, ids)
+    futures = [source.submit(task, 0, samples) for task in tasks]
+    rewards = np.zeros((len(rows), samples), np.float64)
+    for index, (task, sessions) in enumerate(zip(tasks, futures)):
+        for sample, future in enumerate(sessions):
+            session = future.result()
+            for _ in range(DRAW_ATTEMPTS - 1):
+                if session.status not in (Status.INFRA_ERROR, Status.CANCELLED):
+                    break
+                session = source.submit(task, 0, 1, first_sample=sample)[0].result()  # same identity and seeds
+            if session.status in (Status.INFRA_ERROR, Status.CANCELLED):
+                raise RuntimeError(f"held-out {session.describe()} failed {DRAW_ATTEMPTS} times: {session.detail}")
+            rewards[index, sample] = session.reward or 0.0
+    return reward_summary(rewards, [str(row["data_source"]) for row in rows])
+
+
+def reward_summary(rewards: np.ndarray, sources: Sequence[str]) -> dict[str, float]:
+    """``[rows, samples]`` rewards as the held-out summary: ``"all"``, per data source (:func:`held_out_label`), and
+    with more than one sample ``pass@k`` (a draw of reward 1 among a row's k) overall and per source."""
+    samples = rewards.shape[1]
+    labels = np.asarray([held_out_label(source) for source in sources])
     out = {"all": float(rewards.mean())}
     for label in sorted(set(labels)):
-        out[label] = float(rewards[labels == label].mean())
+        out[str(label)] = float(rewards[labels == label].mean())
     if samples > 1:
         passed = (rewards >= 1.0).any(axis=1)
         out[f"pass@{samples}"] = float(passed.mean())
         for label in sorted(set(labels)):
-            out[f"pass@{samples}/{label}"] = float(passed[labels == label].mean())
+            out[f"pass@{samples}/{label!s}"] = float(passed[labels == label].mean())
     return out

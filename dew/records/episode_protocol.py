@@ -13,7 +13,9 @@ stores the enum. Token ids are checked once, by :func:`dew.records.actions.token
 refused, numpy integers converted to ``int``); their upper bound is the caller's to
 check, since only it knows the vocabulary.
 
-``Environment.get_state()`` / ``set_state(state)`` are optional: only a journal needs
+``Environment.metrics()`` is optional: numbers the environment reports about its episode
+(tool calls, tool errors), which :class:`~dew.collection.sources.EnvironmentSource` keeps on
+the session and the scheduler logs as ``episode/<name>``. ``Environment.get_state()`` / ``set_state(state)`` are optional: only a journal needs
 them, to snapshot and restore the tool state between turns. The base class raises
 ``NotImplementedError`` for both. The collection loop (``EpisodeRollout``) lives
 elsewhere; this module holds only the protocol.
@@ -100,7 +102,9 @@ class Action:
     """One finished model turn: the context it read, the ids it sampled, whether it ended on EOS, the policy step.
 
     ``tokens`` includes the EOS id when ``eos`` is true, so an EOS turn holds at least
-    one token; ``policy_step`` is the committed update clock of the weights that sampled it.
+    one token; ``policy_step`` is the committed update clock of the weights that sampled it
+    (-1 for the weights a rollout server serves before the trainer's first push, such as an
+    RLVR pipeline's warm-started policy).
     """
 
     context: tuple[int, ...]
@@ -115,7 +119,7 @@ class Action:
             raise ValueError(f"Action.eos must be a bool, got {self.eos!r}")
         if self.eos and not self.tokens:
             raise ValueError("Action.eos is true but Action.tokens is empty; the EOS id is one of the sampled tokens")
-        integer("Action.policy_step", self.policy_step, at_least=0)
+        integer("Action.policy_step", self.policy_step, at_least=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +189,10 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def step(self, action: Action) -> Observation:
         """Apply one finished model turn; return the exact next context or a terminal observation."""
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers about this episode so far (optional; default none), read once the episode has ended."""
+        return {}
 
     def get_state(self) -> bytes:
         """A snapshot of the environment's state (optional; only a journal needs it)."""

@@ -58,7 +58,10 @@ def session_metrics(
     that belong to sessions of that status and do not train; :func:`reward_metrics` over
     trained sessions and ``reward/<component>`` means; with ``latencies`` (seconds)
     ``latency/p50``, ``latency/p90``, ``latency/p99``, ``latency/max``; with the current
-    ``version``, ``version_lag/mean`` and ``version_lag/max`` over the batch's sampled ids.
+    ``version``, ``version_lag/mean`` and ``version_lag/max`` over the batch's sampled ids;
+    for multi-turn sessions (those with ``episode_metrics``), ``episode/<name>`` means over
+    them (``episode/turns``, ``episode/truncated`` and the environment's own, such as
+    ``episode/tool_errors``) and ``episode/turns_max``.
     """
     check_truncation(truncation)
     metrics: dict[str, float] = {}
@@ -86,6 +89,11 @@ def session_metrics(
     metrics.update(reward_metrics(trained, rewards))
     for name, values in components.items():
         metrics[f"reward/{name}"] = float(np.mean(values))
+    episodes = [session.episode_metrics for session in sessions if session.episode_metrics]
+    for name in sorted({name for episode in episodes for name in episode}):
+        metrics[f"episode/{name}"] = float(np.mean([episode.get(name, 0.0) for episode in episodes]))
+    if episodes:
+        metrics["episode/turns_max"] = float(max(episode.get("turns", 0.0) for episode in episodes))
     if latencies:
         values = np.asarray(latencies, np.float64)
         for q in (50, 90, 99):

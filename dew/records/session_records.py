@@ -11,8 +11,9 @@ each sampled id). Every Call that reaches ``pack`` is checked by
 actions share.
 
 A :class:`Session` is one harness session: task, group, sample, attempt, its calls in
-submission order, a :class:`Status`, the verifier's reward with its components, and a
-detail string. A :class:`SessionSource` turns a :class:`Task` into futures of sessions.
+submission order, a :class:`Status`, the verifier's reward with its components, a
+detail string and, for a multi-turn episode, ``episode_metrics`` (turns, truncation and
+what the environment reports about itself, such as tool calls and tool errors). A :class:`SessionSource` turns a :class:`Task` into futures of sessions.
 :func:`training_reward` says which sessions train, on what reward.
 
 :mod:`dew.records.session_packing` turns sessions into one training batch and
@@ -79,6 +80,7 @@ class Session:
     reward: float | None = None
     components: Mapping[str, float] = dataclasses.field(default_factory=dict)
     detail: str = ""
+    episode_metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, int]:

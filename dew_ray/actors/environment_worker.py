@@ -39,11 +39,18 @@ class EnvironmentWorkerHost:
     ``servers``: (name, RolloutServerActor) pairs; ``server_timeout``: the worker's
     ServerPool's ``timeout`` (a server silent that long is set aside); ``environment``,
     ``verifier`` and ``options`` are EnvironmentSource's (``max_prompt_tokens``,
-    ``max_new_tokens``, ``max_turns``, ``workers``, ``eos_ids``).
+    ``max_new_tokens``, ``max_turns``, ``workers``, ``eos_ids``). ``build``, instead of
+    ``environment`` and ``verifier``: a picklable callable that returns the pair, called
+    once in the worker's process (for parts that cannot pickle, such as a reward holding a
+    sandbox fleet).
     """
 
-    def __init__(self, servers: Sequence, environment: Callable, verifier: Callable,
-                 server_timeout: float | None = None, **options):
+    def __init__(self, servers: Sequence, environment: Callable | None = None, verifier: Callable | None = None,
+                 server_timeout: float | None = None, build: Callable | None = None, **options):
+        if (build is None) == (environment is None or verifier is None):
+            raise ValueError("EnvironmentWorker needs either environment and verifier, or build")
+        if build is not None:
+            environment, verifier = build()
         self.pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers], timeout=server_timeout)
         self.source = EnvironmentSource(self.pool, environment, verifier, **options)
         self._sessions = KeyedCalls(self.source.cancel)
@@ -70,14 +77,20 @@ class EnvironmentWorkerHost:
 EnvironmentWorker = ray.remote(EnvironmentWorkerHost)
 
 
-def start_environment_workers(count: int, servers: ServerPool, environment: Callable, verifier: Callable,
-                              num_cpus: float = 0.5, actor_options: dict | None = None,
+def start_environment_workers(count: int, servers: ServerPool, environment: Callable | None = None,
+                              verifier: Callable | None = None, num_cpus: float = 0.5,
+                              actor_options: dict | None = None, placement: Callable[[int], dict] | None = None,
                               **options) -> list:
-    """``count`` EnvironmentWorkers over the pool's rollout servers."""
+    """``count`` EnvironmentWorkers over the pool's rollout servers.
+
+    ``placement(i)``, when given, returns worker i's options (its CPUs and placement-group bundle)
+    in place of ``num_cpus``; ``options`` go to each worker (``build``, ``server_timeout`` and
+    EnvironmentSource's).
+    """
     positive_int("count", count)
     pairs = [(server.name, server.actor) for server in servers.servers]
-    return [EnvironmentWorker.options(num_cpus=num_cpus, **(actor_options or {}))
-            .remote(pairs, environment, verifier, **options) for _ in range(count)]
+    return [EnvironmentWorker.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **(actor_options or {}))
+            .remote(pairs, environment, verifier, **options) for i in range(count)]
 
 
 class RemoteEnvironmentSource(SessionSource):

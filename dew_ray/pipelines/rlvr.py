@@ -12,6 +12,11 @@ What runs where:
   SafetensorsReload (every push checked by the landing probe);
 - ``sandbox_runners`` SandboxRunnerActors run the code tasks' programs (bubblewrap by
   default);
+- with an ``environment`` (the built-in ``"calculator"`` or a user's ``"module:factory"``),
+  ``environment_workers`` EnvironmentWorker actors run each prompt as a multi-turn episode,
+  each turn a draw on the rollout servers, and the trainers' schedulers take those sessions
+  (a RemoteEnvironmentSource) in place of single draws; the held-out measure runs the same
+  episodes from the driver (:func:`dew.recipes.rlvr_recipe.measure_episodes`);
 - ``trainers`` TrainerActors (one JAX process each; several form one jax.distributed
   job) each own a Trainer whose rollout is a RolloutScheduler over a PromptSource on
   the servers (:class:`~dew_ray.actors.ServerPool`), scored by the built-in rewards
@@ -79,13 +84,14 @@ from tqdm import tqdm
 from dew.experiment_trackers import MetricWriters
 from dew.inference.engines import engine_dir, vllm_python
 from dew.recipes.rlvr_plan import PlanError, RunPlan, plan_run
-from dew.recipes.rlvr_recipe import measure_reward, sandbox_runner
+from dew.collection.sources import EnvironmentSource
+from dew.recipes.rlvr_recipe import measure_episodes, measure_reward, sandbox_runner
 from dew.sandbox import BwrapRunner, Program, SandboxLimits, Verdict
 from dew_ray.actors import step_group
 from dew_ray.dashboard_metrics import PipelineMetrics
 from dew_ray.pipelines.rlvr_actors import RLVRActors
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
-from dew_ray.pipelines.rlvr_job import Setup, pipeline_reward, warm_start_task
+from dew_ray.pipelines.rlvr_job import PipelineEnvironment, Setup, pipeline_reward, warm_start_task
 from dew_ray.pipelines.rlvr_report import plot, print_summary
 from dew_ray.pipelines.run_dirs import PreflightError, pipeline_main, resolve_run_dir, start_ray, writable
 
@@ -132,6 +138,7 @@ class RLVRPipeline:
         self.runner = None  # the sandbox runner the preflight started a program in; the runner actors get it
         self.sandbox: str | None = None
         self.plan: RunPlan | None = None  # what the run trains, worked out by the preflight
+        self.episodes: EnvironmentSource | None = None  # with an environment, the held-out episodes' source
 
     @property
     def pool(self):
@@ -186,7 +193,7 @@ class RLVRPipeline:
         if sum(demand.values()) > available:
             parts = ", ".join(f"{role} {cpus:g}" for role, cpus in demand.items())
             raise PreflightError(f"the run reserves {sum(demand.values()):g} CPUs ({parts}) but the Ray cluster has "
-                                 f"{available:g}: lower trainer_cpus, server_cpus or sandbox_cpus, or use fewer actors")
+                                 f"{available:g}: lower the roles' *_cpus fields, or use fewer actors")
         gpus = config.servers * config.server_gpus + config.trainers * config.trainer_gpus
         if gpus > ray.cluster_resources().get("GPU", 0):
             raise PreflightError(f"the run reserves {gpus:g} GPUs for its trainers and vLLM servers but the Ray cluster has "
@@ -196,11 +203,15 @@ class RLVRPipeline:
         plan = self.preflight_plan()
         self.setup = setup = Setup(config, str(self.run_dir), plan.width, plan.prompt_len, plan.train.rows,
                                    plan.policy.model, plan.policy.tokenizer, plan.policy.pretrained, plan.eos_ids,
-                                   plan.reward, plan.template_options)
+                                   plan.reward, plan.template_options, environment=plan.environment,
+                                   context_tokens=plan.context_tokens, demonstrations=plan.demonstrations)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
         self.actors = actors = RLVRActors(setup, name=f"dew-rlvr-{self.run_dir.resolve().name}")
         self.params = self._warm_params(setup, plan)
         actors.start_roles(self.params, self.runner)
+        if setup.environment is not None:  # the held-out episodes run here, on the driver's pool and fleet
+            environment, verifier = PipelineEnvironment(setup, actors.runners).build(actors.fleet)
+            self.episodes = EnvironmentSource(self.pool, environment, verifier, workers=8, **setup.episode_options())
         self.metrics = PipelineMetrics(self.run_dir.resolve().name)
 
         before_file = self.run_dir / "reward_before.json"
@@ -317,6 +328,9 @@ class RLVRPipeline:
                 "policy_version": scheduler.get("version"), "policy_lag": scheduler.get("lag"),
                 "rollout_tokens_per_second": row.get("train/tokens", 0) / wall if wall > 0 else None,
                 "trainer_wait_share": self.wait_share(),
+                "episode_turns": row.get("rollout/episode/turns"),
+                "episode_truncated_share": row.get("rollout/episode/truncated"),
+                "episode_tool_errors": row.get("rollout/episode/tool_errors"),
             }, row["verdicts"])
         return new
 
@@ -327,8 +341,10 @@ class RLVRPipeline:
         return sum(row["waited"] or 0.0 for row in later) / wall if wall > 0 else None
 
     def _measure(self) -> dict[str, float]:
-        """The held-out reward of the policy the pool serves now."""
+        """The held-out reward of the policy the pool serves now (its episodes, with an environment)."""
         held_out = self.plan.held_out
+        if self.episodes is not None:
+            return measure_episodes(self.episodes, held_out.rows, held_out.ids, self.config.eval_samples)
         return measure_reward(self.pool, pipeline_reward(self.setup, self.actors.fleet), self.setup.decode,
                               held_out.rows, held_out.ids, self.config.eval_samples, self.config.max_new_tokens,
                               seed=self.config.seed + 1, eos_ids=self.setup.eos_ids)
@@ -371,6 +387,9 @@ class RLVRPipeline:
         if self.writers is not None:
             self.writers.close()
             self.writers = None
+        if self.episodes is not None:
+            self.episodes.close()
+            self.episodes = None
         if not ray.is_initialized():
             return
         if self.actors is not None:

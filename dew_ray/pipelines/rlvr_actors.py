@@ -8,7 +8,9 @@ first trainer's bundle), then starts, each actor in its own bundle:
   (``engine="native"``), or VLLMEngineActors launched on ``<run_dir>/engine/policy`` behind
   an EnginePool (``engine="vllm"``): the driver draws held-out samples through ``pool``;
   and ``sandbox_runners`` SandboxRunnerActors behind a :class:`~dew_ray.actors.RemoteFleet`
-  (``fleet``);
+  (``fleet``); with an ``environment``, ``environment_workers`` EnvironmentWorker actors
+  whose sessions call the rollout servers (each builds the environment itself:
+  :class:`~dew_ray.pipelines.rlvr_job.PipelineEnvironment`);
 - with ``start_trainers(params)``, ``trainers`` TrainerActors (one ``jax.distributed`` job)
   whose jobs (:func:`~dew_ray.pipelines.rlvr_job.trainer_job`) reach the servers and runners.
 
@@ -24,6 +26,7 @@ import ray
 from dew.inference import SafetensorsReload, ServingTask
 from dew_ray.actors import (
     RemoteFleet,
+    start_environment_workers,
     start_rollout_servers,
     start_sandbox_runners,
     start_trainer_group,
@@ -31,6 +34,7 @@ from dew_ray.actors import (
 )
 from dew_ray.pipelines.rlvr_job import (
     ENGINE_MODEL,
+    PipelineEnvironment,
     Setup,
     engine_args,
     engine_policy,
@@ -51,11 +55,15 @@ class RLVRActors:
         self.runners: list = []
         self.trainers: list = []
         self.pool = self.fleet = None
-        self.placement = RolePlacement({
+        self.environment_workers: list = []
+        roles = {
             "trainer": (config.trainers, config.trainer_cpus, config.trainer_gpus),
             "rollout server": (config.servers, config.server_cpus, config.server_gpus),
             "sandbox runner": (config.sandbox_runners, config.sandbox_cpus),
-        }, name=name)
+        }
+        if setup.environment is not None:
+            roles["environment worker"] = (config.environment_workers, config.environment_cpus)
+        self.placement = RolePlacement(roles, name=name)
 
     def start_roles(self, params, runner) -> None:
         """The rollout servers serving ``params`` (version -1) and the sandbox runners (``runner``: the preflight's)."""
@@ -65,6 +73,11 @@ class RLVRActors:
                                              workers=config.sandbox_workers,
                                              placement=lambda i: self.placement.options("sandbox runner", i))
         self.fleet = RemoteFleet(self.runners, workers=config.sandbox_workers)
+        if self.setup.environment is not None:  # each worker builds the environment in its own process
+            self.environment_workers = start_environment_workers(
+                config.environment_workers, self.pool, build=PipelineEnvironment(self.setup, self.runners),
+                server_timeout=config.server_timeout, workers=config.slots, **self.setup.episode_options(),
+                placement=lambda i: self.placement.options("environment worker", i))
 
     def _start_servers(self, params) -> list:
         setup, config = self.setup, self.setup.config
@@ -89,7 +102,7 @@ class RLVRActors:
     def start_trainers(self, params) -> list[dict]:
         """The trainer group, each process's job built from the setup; returns what each trainer's start reported."""
         named = [] if self.setup.engines else [(server.name, server.actor) for server in self.pool.servers]
-        build = functools.partial(trainer_job, self.setup, params, named, self.runners)
+        build = functools.partial(trainer_job, self.setup, params, named, self.runners, self.environment_workers)
         self.trainers, started = start_trainer_group(build, processes=self.setup.config.trainers,
                                                      placement=lambda i: self.placement.options("trainer", i))
         return started
@@ -103,7 +116,10 @@ class RLVRActors:
             ray.wait(closing, num_returns=len(closing), timeout=60)
         if self.pool is not None:
             self.pool.close()
-        for actor in [*self.servers, *self.runners, *self.trainers]:
+        closing = [worker.close.remote() for worker in self.environment_workers]
+        if closing:  # their tool processes and sandboxes end with their sessions
+            ray.wait(closing, num_returns=len(closing), timeout=30)
+        for actor in [*self.environment_workers, *self.servers, *self.runners, *self.trainers]:
             ray.kill(actor)
-        self.trainers, self.servers, self.runners = [], [], []
+        self.trainers, self.servers, self.runners, self.environment_workers = [], [], [], []
         self.placement.remove()

@@ -40,6 +40,19 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     route scores is refused before any actor starts) or a function of dew's reward signature,
     "module:function" or "path/to/file.py:function" (a relative path, or a module in the
     working directory, resolves against the driver's working directory);
+    environment: run every prompt as a multi-turn tool episode (None: single-turn draws):
+    "calculator" (the built-in one, :mod:`dew.recipes.calculator_environment`: the policy calls
+    ``calc(EXPRESSION)``, reads the result, then answers, scored by ``reward``) or a factory of
+    the user's, "module:factory" or "path/to/file.py:factory"
+    (:mod:`dew.recipes.run_environment`); its sessions' model calls go to the rollout servers
+    (engine="native"); environment_workers, environment_cpus: the EnvironmentWorker actors
+    that run the sessions and the Ray CPUs each reserves; max_turns: model calls per episode (a call past it
+    truncates the episode); max_context_tokens: the longest context a model call may read
+    (prompt, earlier responses and tool results; a longer one truncates the episode, unscored;
+    None: the longest prompt + (max_turns - 1) x 2 x max_new_tokens); each call draws at most
+    ``max_new_tokens``. metrics.jsonl adds ``rollout/episode/turns``, ``turns_max``,
+    ``truncated``, and the environment's own (the calculator's ``tool_calls`` and
+    ``tool_errors``); the held-out measure runs the same episodes;
 
     run_dir: the run directory (relative paths resolve against the driver's working
     directory on a local cluster; a submitted job needs an absolute path every node
@@ -90,6 +103,11 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     enable_thinking: bool | None = None
     max_prompt_length: int | None = Field(None, ge=1)
     reward: str = "verifiable"
+    environment: str | None = None
+    environment_workers: int = Field(1, ge=1)
+    environment_cpus: float = Field(0.5, gt=0)
+    max_turns: int = Field(2, ge=1)
+    max_context_tokens: int | None = Field(None, ge=1)
     checkpoint_every: int = Field(5, ge=1)
     engine: Literal["native", "vllm"] = "native"
     engine_python: str | None = None
@@ -119,6 +137,13 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
         if self.reward != "verifiable" and ":" not in self.reward:
             raise ValueError(f"config field 'reward' must be \"verifiable\", \"module:function\" or "
                              f"\"path/to/file.py:function\", got {self.reward!r}")
+        if self.environment is not None and self.engine != "native":
+            raise ValueError("config field 'environment' needs engine='native': environment workers send their model "
+                             "calls to the native rollout servers (vLLM engines serve single-turn runs here)")
+        if self.environment is None and (self.max_context_tokens is not None
+                                         or "max_turns" in self.model_fields_set):
+            raise ValueError("config fields 'max_turns' and 'max_context_tokens' need 'environment': a run without "
+                             "one draws a single response per prompt")
         if self.engine_python is not None and self.engine != "vllm":
             raise ValueError("config field 'engine_python' needs engine='vllm'")
         if self.server_gpus and self.engine != "vllm":
@@ -136,8 +161,11 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
 
     def cpu_demand(self) -> dict[str, float]:
         """Ray CPUs each role reserves at once (the warm start runs before the trainers, on their share)."""
-        return {"trainers": self.trainers * self.trainer_cpus, "rollout servers": self.servers * self.server_cpus,
-                "sandbox runners": self.sandbox_runners * self.sandbox_cpus}
+        demand = {"trainers": self.trainers * self.trainer_cpus, "rollout servers": self.servers * self.server_cpus,
+                  "sandbox runners": self.sandbox_runners * self.sandbox_cpus}
+        if self.environment is not None:
+            demand["environment workers"] = self.environment_workers * self.environment_cpus
+        return demand
 
 
 def load_config(path: str | Path | None = None, overrides=(), **values) -> RLVRPipelineConfig:

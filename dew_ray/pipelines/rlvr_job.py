@@ -10,8 +10,11 @@ rewards with code on the sandbox-runner actors (:class:`~dew_ray.actors.RemoteFl
 the user's reward function. What the setup holds (the policy, its tokenizer, the prompt rows
 and the row width) comes from :func:`dew.recipes.rlvr_plan.plan_run`: the built-in tasks and
 decoder, or the user's model and prompts.
+With an ``environment`` each trainer's source is a
+:class:`~dew_ray.actors.RemoteEnvironmentSource` over the run's EnvironmentWorker actors,
+which build the environment in their own processes (:class:`PipelineEnvironment`).
 With ``verl_rows`` each process's report carries its admitted rollouts as verl
-AgentLoopOutput rows (:func:`dew.records.verl_rows.to_verl`).
+AgentLoopOutput rows (:func:`dew.records.verl_rows.to_verl`), every call of a session.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from dew.recipes.rlvr_recipe import grpo_job, rollout_sampling, warm_start
 from dew.models.pretrained import Pretrained
 from dew.records.verl_rows import to_verl
 from dew.sampling import Sampling
-from dew_ray.actors import RemoteFleet, RemoteRolloutServer, ServerPool, TrainJob, vllm_rollouts
+from dew.recipes.run_environment import EnvironmentSetup, build_environment
+from dew_ray.actors import RemoteEnvironmentSource, RemoteFleet, RemoteRolloutServer, ServerPool, TrainJob, vllm_rollouts
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
 
 
@@ -45,15 +49,47 @@ class Setup:
     tokenizer: object
     pretrained: Pretrained  # the model's Hugging Face form: exports and the vLLM engines' files
     eos_ids: tuple[int, ...]
-    reward: object = "verifiable"  # or the user's RewardFunction
+    reward: object = "verifiable"  # or the user's FunctionReference
     template_options: dict = dataclasses.field(default_factory=dict)
     engines: list[str] | None = None  # engine="vllm": the engines' URLs, serving engine_policy(run_dir)
+    environment: object = None  # the environment factory (config environment); None: single-turn draws
+    context_tokens: int | None = None  # with an environment, the longest context a model call reads
+    demonstrations: object = None  # how the built-in warm start writes a task's demonstration (None: the plain one)
 
     def sampling(self) -> Sampling:
         return rollout_sampling(self.config, self.eos_ids)
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def episode_options(self) -> dict:
+        """EnvironmentSource's limits for this run's episodes."""
+        return {"max_prompt_tokens": self.context_tokens, "max_new_tokens": self.config.max_new_tokens,
+                "max_turns": self.config.max_turns, "eos_ids": self.eos_ids}
+
+
+@dataclasses.dataclass
+class PipelineEnvironment:
+    """The run's environment and verifier as each process that runs sessions builds them (``build``).
+
+    It pickles as the setup and the sandbox-runner handles; ``build`` makes the run's reward
+    there (the verifiable routes with code on a RemoteFleet over ``runners``, or the user's
+    function) and calls the factory (:func:`dew.recipes.run_environment.build_environment`).
+    """
+
+    setup: Setup
+    runners: list
+
+    def build(self, fleet=None) -> tuple:
+        """(environment, verifier); ``fleet``: the process's own sandbox fleet (default: one over ``runners``)."""
+        setup = self.setup
+        fleet = fleet or RemoteFleet(self.runners, workers=setup.config.sandbox_workers)
+        reward = pipeline_reward(setup, fleet)
+        return build_environment(setup.environment, EnvironmentSetup(setup.tokenizer, reward, setup.eos_ids,
+                                                                     setup.config.max_turns))
+
+    def __call__(self) -> tuple:
+        return self.build()
 
 
 ENGINE_MODEL = "dew-rlvr"  # the name the run's vLLM engines serve the policy under
@@ -106,8 +142,9 @@ class CountingFleet:
         return counts
 
 
-def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
-    """The GRPO job of one trainer process (runs inside a TrainerActor)."""
+def trainer_job(setup: Setup, params, servers: list, runners: list, environment_workers: list = ()) -> TrainJob:
+    """The GRPO job of one trainer process (runs inside a TrainerActor); with an environment its sessions run on
+    ``environment_workers`` (a RemoteEnvironmentSource)."""
     config, tokenizer = setup.config, setup.tokenizer
     if setup.engines:
         pool = engine_rollouts(setup, version=-1, push=config.engine_push)
@@ -121,7 +158,9 @@ def trainer_job(setup: Setup, params, servers: list, runners: list) -> TrainJob:
                    eos_ids=setup.eos_ids, template_options=setup.template_options,
                    score_workers=max(2, config.sandbox_workers * len(runners)), progress=False,
                    output_dir=str(Path(setup.run_dir) / "grpo"),
-                   push="each" if setup.engines else "one")  # every process calls a SafetensorsReload
+                   push="each" if setup.engines else "one",  # every process calls a SafetensorsReload
+                   source=RemoteEnvironmentSource(environment_workers) if setup.environment else None,
+                   width=setup.width)
 
     def report() -> dict:
         out = {"verdicts": fleet.drain(), "tasks": job.tasks[-1] if job.tasks else []}
@@ -154,4 +193,5 @@ def warm_start_task(setup: Setup, train, start=None):
     return warm_start(setup.model, setup.tokenizer, train or [], setup.width, config.sft_steps, config.sft_batch,
                       config.sft_learning_rate, key=jax.random.fold_in(jax.random.key(config.seed), 1),
                       seed=config.seed, progress=False, errors=config.sft_errors, pretrained=start,
-                      conversations=config.warm_start)
+                      conversations=config.warm_start, **({"documents": setup.demonstrations}
+                                                          if setup.demonstrations else {}))
