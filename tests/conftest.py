@@ -249,3 +249,46 @@ def qwen3_gsm8k(tmp_path_factory):
         source.write_text("".join(json.dumps(row) + "\n" for row in rows))
         prepare.main([str(source), str(folder / f"{split}.parquet"), "--split", split])
     return folder / "model", folder / "train.parquet", folder / "test.parquet"
+
+
+def make_parity_judge(folder: Path, even: str = "1", odd: str = "0") -> Path:
+    """A tiny Qwen3 judge directory whose greedy reply is predictable: ``even`` when its prompt's last id is even,
+    ``odd`` when it is odd, then EOS; a prompt ending in the id of ``even`` or ``odd`` gets an empty reply.
+
+    Built by hand rather than trained: attention and MLP outputs are zero, so the last position's state is its
+    token's embedding (one of three directions: even ids, odd ids, the two replies), and the untied head maps each
+    direction to its reply. Qwen3's real vocabulary and tokenizer, EOS ``<|im_end|>``."""
+    import json
+
+    import jax
+    import jax.numpy as jnp
+
+    from dew.models.named_shapes import tiny_qwen3
+    from dew.models.pretrained import Pretrained
+
+    tokenizer = import_from("tools", "qwen3_vocab").qwen3_tokenizer()
+    model = tiny_qwen3(vocab_size=151936, emb_features=64, max_seq_len=1024, tie_embeddings=False)
+    params = jax.tree.map(np.array, jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))["params"]
+    yes, no = (tokenizer.encode(text, add_special_tokens=False) for text in (even, odd))
+    assert len(yes) == len(no) == 1, "each reply must be one token"
+    directions = np.eye(64, dtype=np.float32)[:3]  # even ids, odd ids, the replies
+    embedding = np.where((np.arange(151936) % 2 == 0)[:, None], directions[0], directions[1])
+    embedding[[yes[0], no[0]]] = directions[2]
+    params["embed_tokens"]["embedding"] = embedding
+    head = np.zeros((64, 151936), np.float32)
+    head[:, yes[0]], head[:, no[0]], head[:, 151645] = 10 * directions[0], 10 * directions[1], 10 * directions[2]
+    params["lm_head"]["kernel"] = head
+    for name, layer in params.items():
+        if name.startswith("layers_"):
+            layer["self_attn"]["o_proj"]["kernel"][:] = 0
+            layer["mlp"]["down_proj"]["kernel"][:] = 0
+    Pretrained.from_model(model).save({"params": params}, folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645]}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def parity_judge(tmp_path_factory):
+    """:func:`make_parity_judge` replying "1" (even) or "0" (odd)."""
+    return make_parity_judge(tmp_path_factory.mktemp("parity-judge") / "judge")

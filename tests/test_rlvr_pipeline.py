@@ -19,9 +19,11 @@ from safetensors.numpy import load_file
 
 ray = pytest.importorskip("ray")
 
-from conftest import ROOT, free_port, import_from  # noqa: E402
+from conftest import ROOT, free_port, import_from, make_parity_judge  # noqa: E402
 
+from dew.collection.scoring import completion_ids  # noqa: E402
 from dew.data.verifiable import task_tokenizer  # noqa: E402
+from dew.recipes.run_inputs import load_tokenizer  # noqa: E402
 from dew.records.verl_rows import from_verl, to_verl  # noqa: E402
 from dew_ray.pipelines.rlvr import RLVRPipeline, RLVRPipelineConfig, load_config  # noqa: E402
 from tracker_files import tensorboard_scalars, wandb_history  # noqa: E402
@@ -158,7 +160,6 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
         assert all(s.reward in (0.0, 1.0) for s in written)
         assert all(tuple(s.calls[0].prompt_ids) in rendered for s in written)  # the chat template's rendering
     from dew.models.pretrained import Pretrained
-    from dew.recipes.run_inputs import load_tokenizer
 
     policy = Pretrained.from_directory(run / "policy")  # the final policy reads back from the Hugging Face layout
     variables = policy.load()
@@ -596,7 +597,9 @@ def test_a_cluster_without_the_cpus_is_refused_before_the_warm_start(tmp_path):
         ray.shutdown()
 
 
-TWO_TURNS = '''"""A user's environment factory for the pipeline test: one tool note after the first response, then the answer."""
+TWO_TURNS = '''"""A user's environment factory for the pipeline test: one tool note after the first response, then the answer,
+which the run's reward scores."""
+from dew.collection.scoring import score_completion
 from dew.records.episode_protocol import Environment, Observation
 
 
@@ -624,15 +627,32 @@ def factory(setup):
     def environment(task, identity):
         return TwoTurns(task.data["prompt_ids"], note)
 
-    def verifier(task, episode):  # an even-length last response earns 1: groups whose rewards differ
-        return float(len(episode.transitions[-1].action.tokens) % 2 == 0)
+    def verifier(task, episode):  # the run's reward (here the judge) on the last response
+        decode = lambda ids: setup.tokenizer.decode(ids, skip_special_tokens=True)
+        return score_completion(setup.reward, decode, episode.transitions[-1].action.tokens, setup.eos_ids,
+                                task.data)
 
     return environment, verifier
 '''
 
 
-def test_environment_fields_are_checked_before_any_work(tmp_path):
+def test_environment_and_judge_fields_are_checked_before_any_work(tmp_path, parity_judge):
     from dew.recipes.rlvr_plan import PlanError, plan_run
+
+    with pytest.raises(ValueError, match="reward' = \"judge\" needs 'judge_model'"):
+        load_config(None, ["reward=judge"])
+    with pytest.raises(ValueError, match="and 'judge_model' needs reward = \"judge\""):
+        load_config(None, [f"judge_model={parity_judge}"])
+    with pytest.raises(ValueError, match="'judge_template' must name \\{response\\}"):
+        load_config(None, ["reward=judge", f"judge_model={parity_judge}", "judge_template=Grade {prompt}"])
+    judged = plan_run(load_config(None, ["reward=judge", f"judge_model={parity_judge}"]))
+    assert judged.judge.model.vocab_size == 151936 and judged.judge_eos_ids == (151645,)
+    assert f"reward: the judge Qwen3ForCausalLM from {parity_judge}" in judged.describe()
+    with pytest.raises(PlanError, match="'judge_max_length' \\(4096\\) exceeds the judge's context"):
+        plan_run(load_config(None, ["reward=judge", f"judge_model={parity_judge}", "judge_max_length=4096"]))
+    with pytest.raises(PlanError, match="config field 'judge_parser' \\('nowhere:read'\\): no module"):
+        plan_run(load_config(None, ["reward=judge", f"judge_model={parity_judge}", "judge_parser=nowhere:read"]))
+    assert load_config(None, ["reward=judge", f"judge_model={parity_judge}"]).cpu_demand()["judge servers"] == 1
 
     with pytest.raises(ValueError, match="'environment' needs engine='native'"):
         load_config(None, ["environment=calculator", "engine=vllm"])
@@ -651,22 +671,33 @@ def test_environment_fields_are_checked_before_any_work(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_the_pipeline_runs_a_users_multi_turn_environment_on_environment_workers(tmp_path):
+def test_the_pipeline_runs_a_users_multi_turn_environment_scored_by_a_model_judge(tmp_path):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     factory = tmp_path / "two_turns.py"
     factory.write_text(TWO_TURNS)
+    # A judge whose verdict is known in advance: yes ("是") when its prompt's last id is even, no ("否") when odd.
+    # The built-in policy writes ASCII only, so no judge prompt ends in a verdict's own id.
+    judge = make_parity_judge(tmp_path / "judge", even="是", odd="否")
+    (tmp_path / "verdicts.py").write_text('def verdict(reply):\n    return {"是": 1.0, "否": 0.0}[reply.strip()]\n')
+    template = "{prompt} => {response}"
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         run = tmp_path / "run"
-        # the driver API on a user's factory, named by file path, over two environment workers
+        # the driver API on a user's factory, named by file path, over two environment workers; the judge on a
+        # judge server of its own, its replies read by a parser of the user's
         with RLVRPipeline(tiny(run, steps=2, environment=f"{factory}:factory", environment_workers=2,
-                               environment_cpus=0.25, eval_samples=2, verl_rows=True, slots=8)) as pipeline:
+                               environment_cpus=0.25, server_cpus=0.5, reward="judge", judge_model=str(judge),
+                               judge_template=template, judge_chat_template=False, judge_cpus=0.25,
+                               judge_parser=f"{tmp_path / 'verdicts.py'}:verdict", eval_samples=2, verl_rows=True,
+                               slots=8)) as pipeline:
             pipeline.start()
-            assert len(pipeline.actors.environment_workers) == 2
+            assert len(pipeline.actors.environment_workers) == 2 and len(pipeline.actors.judge_pool.servers) == 1
             pipeline.step(2)
             summary = pipeline.finish()
     finally:
         ray.shutdown()
+    policy = task_tokenizer()
+    judged = load_tokenizer(judge)
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
     for line in lines:  # per-turn metrics: turns, truncations and the environment's own numbers
@@ -682,7 +713,13 @@ def test_the_pipeline_runs_a_users_multi_turn_environment_on_environment_workers
         sessions = [t.session for t in trajectories]
         assert {s.task.id for s in sessions} == set(line["tasks"]) and len(sessions) == 2 * 4
         for session in sessions:
-            assert 1 <= len(session.calls) <= 2 and session.reward in (0.0, 1.0)
+            assert 1 <= len(session.calls) <= 2
+            # the judge's verdict on the last response, as the environment's verifier asked for it
+            prompt = policy.decode(session.calls[0].prompt_ids, skip_special_tokens=True)
+            response = policy.decode(completion_ids(session.calls[-1].sampled_ids, {policy.eos_token_id}),
+                                     skip_special_tokens=True)
+            last = judged.encode(template.format(prompt=prompt, response=response), add_special_tokens=False)[-1]
+            assert session.reward == float(last % 2 == 0)
             if len(session.calls) == 2:
                 first, second = session.calls
                 assert list(second.prompt_ids) == [*first.prompt_ids, *first.sampled_ids, *note]

@@ -7,7 +7,8 @@ held-out measurement of the RLVR recipe. The reward has the Prompts signature
     reward(data_source: str, completion: str, ground_truth: str, extra_info: str) -> float
 
 and its string fields are read by name from a mapping (a Task's data, a prompt row's
-metadata). A failure raises :class:`ScoringError` saying which stage failed (decode, the
+metadata). A reward whose ``reads_prompt`` attribute is true (a model judge) is also given
+``prompt=``, the decoded ``prompt_ids`` of that mapping. A failure raises :class:`ScoringError` saying which stage failed (decode, the
 reward, or what it returned); the caller adds where (a prompt row, a session) or turns it
 into an INFRA_ERROR session.
 """
@@ -53,8 +54,14 @@ def score_completion(reward: Callable[[str, str, str, str], float], decode: Call
     except Exception as error:
         raise ScoringError(f"decode failed: {error!r}") from error
     data_source, ground_truth, extra_info = (str(fields.get(name, "")) for name in REWARD_FIELDS)
+    extra = {}
+    if getattr(reward, "reads_prompt", False):
+        try:
+            extra["prompt"] = decode([int(i) for i in fields["prompt_ids"]])
+        except Exception as error:
+            raise ScoringError(f"decoding the prompt for the reward failed: {error!r}") from error
     try:
-        value = reward(data_source, completion, ground_truth, extra_info)
+        value = reward(data_source, completion, ground_truth, extra_info, **extra)
     except Exception as error:
         raise ScoringError(f"the reward raised {error!r}") from error
     return finite_score("reward", value)

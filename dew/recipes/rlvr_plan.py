@@ -22,7 +22,8 @@ from pathlib import Path
 
 from dew.data.verifiable import demonstration_documents, task_rows, task_tokenizer
 from dew.recipes.calculator_environment import calculator_demonstrations
-from dew.recipes.function_reference import FunctionReference
+from dew.recipes.function_reference import FunctionReference, function_reference
+from dew.recipes.judge_reward import first_number
 from dew.recipes.reward_routing import VERIFIABLE_SOURCES, check_sources, reward_function
 from dew.recipes.rlvr_recipe import built_in_tasks, decoder
 from dew.recipes.run_environment import environment_factory
@@ -51,6 +52,9 @@ class RunPlan:
     environment: object = None  # the environment factory (config environment), or None for single-turn draws
     context_tokens: int | None = None  # with an environment, the longest context a model call reads
     demonstrations: Callable = demonstration_documents  # how the built-in warm start writes a task's demonstration
+    judge: Policy | None = None  # reward="judge": the judge model, its weights and tokenizer
+    judge_eos_ids: tuple[int, ...] = ()
+    judge_parse: Callable | None = None  # from the judge's reply to a number
 
     def describe(self) -> list[str]:
         """The lines a run prints first: the model, the prompts and what was left out."""
@@ -58,6 +62,8 @@ class RunPlan:
                  f"{self.width - self.prompt_len} response)",
                  f"prompts: {len(self.train.rows)} to train on, {len(self.held_out.rows)} to measure on "
                  f"({self.held_out_source})"]
+        if self.judge is not None:
+            lines.append(f"reward: the judge {self.judge.source}")
         if self.environment is not None:
             lines.append(f"environment: {self.environment_name}, model calls read at most {self.context_tokens} ids "
                          f"(max_context_tokens) and draw {self.width - self.context_tokens} each")
@@ -103,7 +109,11 @@ def _plan(config) -> RunPlan:
     else:
         held_rows = task_rows(held_tasks)
         held_source = "the built-in held-out split"
-    reward = "verifiable" if config.reward == "verifiable" else reward_function(config.reward)
+    reward = config.reward if config.reward in ("verifiable", "judge") else reward_function(config.reward)
+    parse = None
+    if reward == "judge":
+        parse = first_number if config.judge_parser == "first_number" else function_reference(config.judge_parser,
+                                                                                              "judge_parser")
     environment = environment_factory(config.environment) if config.environment else None
     if reward == "verifiable":
         check_sources({str(row["data_source"]) for row in [*rows, *held_rows]}, VERIFIABLE_SOURCES, "the prompts")
@@ -151,11 +161,18 @@ def _plan(config) -> RunPlan:
         raise PlanError(f"rows of {width} ids ({longest}: {prompt_len} ids, + max_new_tokens="
                         f"{config.max_new_tokens}) exceed the model's context, max_position_embeddings="
                         f"{policy.model.max_seq_len}: lower max_new_tokens or set max_prompt_length")
+    judge, judge_eos = None, ()
+    if reward == "judge":  # its own tokenizer and EOS; greedy, so its verdicts repeat
+        judge = load_policy(config.judge_model, field="judge_model")
+        judge_eos = _eos_ids(judge, Path(config.judge_model).expanduser())
+        if config.judge_max_length > judge.model.max_seq_len:
+            raise PlanError(f"config field 'judge_max_length' ({config.judge_max_length}) exceeds the judge's "
+                            f"context, max_position_embeddings={judge.model.max_seq_len}")
     directory = Path(config.model).expanduser() if config.model else None
     return RunPlan(policy, train, held_out, held_source, prompt_len, width, reward, _eos_ids(policy, directory),
                    options, built_in=tasks, environment=environment, context_tokens=context,
                    demonstrations=calculator_demonstrations if config.environment == "calculator"
-                   else demonstration_documents)
+                   else demonstration_documents, judge=judge, judge_eos_ids=judge_eos, judge_parse=parse)
 
 
 __all__ = ["DTYPES", "PlanError", "RunPlan", "plan_run"]

@@ -327,7 +327,7 @@ def measure_reward(server, reward, decode, rows: Sequence[dict], ids: Sequence[S
     def score(item) -> float:
         index, future, draw_seed = item
         record = Record("held-out", index, rows[index])
-        fields = {field: metadata_text(record, field) for field in METADATA}
+        fields = {**{field: metadata_text(record, field) for field in METADATA}, "prompt_ids": ids[index]}
         for attempt in range(DRAW_ATTEMPTS):
             try:
                 drawn = future.result().ids

@@ -54,11 +54,12 @@ def load_tokenizer(directory: str | Path, field: str = "tokenizer"):
                          f"({type(error).__name__}: {str(error).splitlines()[0][:300]})") from None
 
 
-def load_policy(model: str | Path, tokenizer: str | Path | None = None, dtype: str = "float32") -> Policy:
-    """The Hugging Face model directory ``model`` as a Policy (see the module docstring)."""
+def load_policy(model: str | Path, tokenizer: str | Path | None = None, dtype: str = "float32",
+                field: str = "model") -> Policy:
+    """The Hugging Face model directory ``model`` (config field ``field``) as a Policy (see the module docstring)."""
     directory = Path(model).expanduser()
     if not directory.is_dir():
-        raise ValueError(f"config field 'model': {directory} is not a directory (a Hugging Face model directory "
+        raise ValueError(f"config field {field!r}: {directory} is not a directory (a Hugging Face model directory "
                          "with config.json, safetensors and tokenizer files)")
     if dtype not in DTYPES:
         raise ValueError(f"config field 'dtype' must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -67,8 +68,8 @@ def load_policy(model: str | Path, tokenizer: str | Path | None = None, dtype: s
         built = pretrained.model(dtype=DTYPES[dtype], param_dtype=jnp.float32)  # float32 master weights
         params = pretrained.load()
     except (FileNotFoundError, KeyError, ValueError) as error:
-        raise ValueError(f"config field 'model': {error}") from None
-    words = load_tokenizer(tokenizer or directory, "tokenizer" if tokenizer else "model")
+        raise ValueError(f"config field {field!r}: {error}") from None
+    words = load_tokenizer(tokenizer or directory, "tokenizer" if tokenizer else field)
     if len(words) > built.vocab_size:
         raise ValueError(f"config field 'tokenizer': its {len(words)} ids do not fit the model's vocab_size "
                          f"{built.vocab_size} ({directory / 'config.json'})")

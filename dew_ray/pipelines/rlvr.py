@@ -17,6 +17,9 @@ What runs where:
   each turn a draw on the rollout servers, and the trainers' schedulers take those sessions
   (a RemoteEnvironmentSource) in place of single draws; the held-out measure runs the same
   episodes from the driver (:func:`dew.recipes.rlvr_recipe.measure_episodes`);
+- with ``reward="judge"``, ``judge_servers`` RolloutServerActors serve the judge model
+  greedily (never pushed to) and every response is scored by its reply
+  (:class:`~dew.recipes.judge_reward.JudgeReward`), on the scoring threads as draws finish;
 - ``trainers`` TrainerActors (one JAX process each; several form one jax.distributed
   job) each own a Trainer whose rollout is a RolloutScheduler over a PromptSource on
   the servers (:class:`~dew_ray.actors.ServerPool`), scored by the built-in rewards
@@ -204,13 +207,15 @@ class RLVRPipeline:
         self.setup = setup = Setup(config, str(self.run_dir), plan.width, plan.prompt_len, plan.train.rows,
                                    plan.policy.model, plan.policy.tokenizer, plan.policy.pretrained, plan.eos_ids,
                                    plan.reward, plan.template_options, environment=plan.environment,
-                                   context_tokens=plan.context_tokens, demonstrations=plan.demonstrations)
+                                   context_tokens=plan.context_tokens, demonstrations=plan.demonstrations,
+                                   judge_tokenizer=plan.judge.tokenizer if plan.judge else None,
+                                   judge_eos_ids=plan.judge_eos_ids, judge_parse=plan.judge_parse)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
         self.actors = actors = RLVRActors(setup, name=f"dew-rlvr-{self.run_dir.resolve().name}")
         self.params = self._warm_params(setup, plan)
-        actors.start_roles(self.params, self.runner)
+        actors.start_roles(self.params, self.runner, plan.judge)
         if setup.environment is not None:  # the held-out episodes run here, on the driver's pool and fleet
-            environment, verifier = PipelineEnvironment(setup, actors.runners).build(actors.fleet)
+            environment, verifier = PipelineEnvironment(setup, actors.runners).build(actors.fleet, actors.judge_pool)
             self.episodes = EnvironmentSource(self.pool, environment, verifier, workers=8, **setup.episode_options())
         self.metrics = PipelineMetrics(self.run_dir.resolve().name)
 
@@ -345,8 +350,8 @@ class RLVRPipeline:
         held_out = self.plan.held_out
         if self.episodes is not None:
             return measure_episodes(self.episodes, held_out.rows, held_out.ids, self.config.eval_samples)
-        return measure_reward(self.pool, pipeline_reward(self.setup, self.actors.fleet), self.setup.decode,
-                              held_out.rows, held_out.ids, self.config.eval_samples, self.config.max_new_tokens,
+        return measure_reward(self.pool, pipeline_reward(self.setup, self.actors.fleet, self.actors.judge_pool),
+                              self.setup.decode, held_out.rows, held_out.ids, self.config.eval_samples, self.config.max_new_tokens,
                               seed=self.config.seed + 1, eos_ids=self.setup.eos_ids)
 
     def finish(self) -> dict:

@@ -11,6 +11,8 @@ first trainer's bundle), then starts, each actor in its own bundle:
   (``fleet``); with an ``environment``, ``environment_workers`` EnvironmentWorker actors
   whose sessions call the rollout servers (each builds the environment itself:
   :class:`~dew_ray.pipelines.rlvr_job.PipelineEnvironment`);
+- with a judge (reward="judge"), ``judge_servers`` RolloutServerActors serving the judge model
+  greedily behind ``judge_pool``, never pushed to;
 - with ``start_trainers(params)``, ``trainers`` TrainerActors (one ``jax.distributed`` job)
   whose jobs (:func:`~dew_ray.pipelines.rlvr_job.trainer_job`) reach the servers and runners.
 
@@ -24,6 +26,7 @@ import functools
 import ray
 
 from dew.inference import SafetensorsReload, ServingTask
+from dew.sampling import Sampling
 from dew_ray.actors import (
     RemoteFleet,
     start_environment_workers,
@@ -63,11 +66,22 @@ class RLVRActors:
         }
         if setup.environment is not None:
             roles["environment worker"] = (config.environment_workers, config.environment_cpus)
+        if setup.reward == "judge":
+            roles["judge server"] = (config.judge_servers, config.judge_cpus)
+        self.judge_pool = None
         self.placement = RolePlacement(roles, name=name)
 
-    def start_roles(self, params, runner) -> None:
-        """The rollout servers serving ``params`` (version -1) and the sandbox runners (``runner``: the preflight's)."""
+    def start_roles(self, params, runner, judge=None) -> None:
+        """The rollout servers serving ``params`` (version -1), the sandbox runners (``runner``: the preflight's),
+        the judge servers (``judge``: the judge Policy, for reward="judge") and the environment workers."""
         config = self.setup.config
+        if judge is not None:  # greedy, and never pushed to: the same response always gets the same verdict
+            sampling = Sampling(eos_id=self.setup.judge_eos_ids, temperature=0.0)
+            self.judge_pool = start_rollout_servers(
+                ServingTask(judge.model, judge.params, sampling), config.judge_servers, slots=config.slots,
+                capacity=config.judge_max_length, placement=lambda i: self.placement.options("judge server", i),
+                timeout=config.server_timeout)
+            self.setup.judges = [(server.name, server.actor) for server in self.judge_pool.servers]
         self.servers = self._start_servers(params)
         self.runners = start_sandbox_runners(config.sandbox_runners, runner, SANDBOX_LIMITS,
                                              workers=config.sandbox_workers,
@@ -119,7 +133,11 @@ class RLVRActors:
         closing = [worker.close.remote() for worker in self.environment_workers]
         if closing:  # their tool processes and sandboxes end with their sessions
             ray.wait(closing, num_returns=len(closing), timeout=30)
-        for actor in [*self.environment_workers, *self.servers, *self.runners, *self.trainers]:
+        judges = [server.actor for server in self.judge_pool.servers] if self.judge_pool is not None else []
+        if self.judge_pool is not None:
+            self.judge_pool.close()
+            self.judge_pool = None
+        for actor in [*self.environment_workers, *self.servers, *self.runners, *self.trainers, *judges]:
             ray.kill(actor)
         self.trainers, self.servers, self.runners, self.environment_workers = [], [], [], []
         self.placement.remove()

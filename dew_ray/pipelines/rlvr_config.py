@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from dew.config import load_config as load_any
 from dew.experiment_trackers import TrackerOptions
+from dew.recipes.judge_reward import JUDGE_TEMPLATE, check_template
 from dew.recipes.rlvr_recipe import RLVRConfig
 
 
@@ -37,9 +38,21 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     and counted (verl's ``filter_overlong_prompts``; None keeps every prompt, the row width
     following the longest); reward: "verifiable" (routes by ``data_source``: the built-in
     families, ``openai/gsm8k`` by verl's GSM8K rule, competition math by MathReward; a source no
-    route scores is refused before any actor starts) or a function of dew's reward signature,
-    "module:function" or "path/to/file.py:function" (a relative path, or a module in the
-    working directory, resolves against the driver's working directory);
+    route scores is refused before any actor starts), "judge" (a model judge scores each
+    response: :mod:`dew.recipes.judge_reward` and the judge_* fields) or a function of dew's
+    reward signature, "module:function" or "path/to/file.py:function" (a relative path, or a
+    module in the working directory, resolves against the driver's working directory);
+    judge_model: the judge's Hugging Face directory (Llama, Qwen2 or Qwen3), served greedily by
+    ``judge_servers`` RolloutServerActors of its own (``judge_cpus`` Ray CPUs each, never
+    pushed to); judge_template: the judge's prompt, with ``{response}`` and any of
+    ``{prompt}`` (the policy's prompt, decoded), ``{ground_truth}``, ``{data_source}``,
+    ``{extra_info}``; judge_chat_template: send it as one user message through the judge's
+    chat template with the generation prompt (false: as plain text); judge_parser: "first_number" (the first number
+    of the reply) or "module:function" / "file.py:function" from the reply's text to a float;
+    judge_max_new_tokens: the reply's budget; judge_max_length: the longest judge prompt plus
+    reply. A reply that does not parse, or a judge prompt past judge_max_length, makes that
+    response an infrastructure error (drawn again), never a zero reward;
+    judge_servers, judge_cpus: the judge's RolloutServerActors and the Ray CPUs each reserves;
     environment: run every prompt as a multi-turn tool episode (None: single-turn draws):
     "calculator" (the built-in one, :mod:`dew.recipes.calculator_environment`: the policy calls
     ``calc(EXPRESSION)``, reads the result, then answers, scored by ``reward``) or a factory of
@@ -103,6 +116,14 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     enable_thinking: bool | None = None
     max_prompt_length: int | None = Field(None, ge=1)
     reward: str = "verifiable"
+    judge_model: str | None = None
+    judge_template: str = JUDGE_TEMPLATE
+    judge_parser: str = "first_number"
+    judge_servers: int = Field(1, ge=1)
+    judge_cpus: float = Field(1.0, gt=0)
+    judge_max_new_tokens: int = Field(16, ge=1)
+    judge_max_length: int = Field(1024, ge=2)
+    judge_chat_template: bool = True
     environment: str | None = None
     environment_workers: int = Field(1, ge=1)
     environment_cpus: float = Field(0.5, gt=0)
@@ -134,9 +155,15 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
                              "model directory: config.json, safetensors, tokenizer files)")
         if self.tokenizer is not None and self.model is None:
             raise ValueError("config field 'tokenizer' needs 'model': the built-in decoder has its own tokenizer")
-        if self.reward != "verifiable" and ":" not in self.reward:
-            raise ValueError(f"config field 'reward' must be \"verifiable\", \"module:function\" or "
+        if self.reward not in ("verifiable", "judge") and ":" not in self.reward:
+            raise ValueError(f"config field 'reward' must be \"verifiable\", \"judge\", \"module:function\" or "
                              f"\"path/to/file.py:function\", got {self.reward!r}")
+        if (self.reward == "judge") != (self.judge_model is not None):
+            raise ValueError("config field 'reward' = \"judge\" needs 'judge_model' (the judge's Hugging Face "
+                             "directory), and 'judge_model' needs reward = \"judge\"")
+        if self.judge_model is not None and not Path(self.judge_model).expanduser().is_dir():
+            raise ValueError(f"config field 'judge_model' names {self.judge_model!r}, which is not a directory")
+        check_template(self.judge_template)
         if self.environment is not None and self.engine != "native":
             raise ValueError("config field 'environment' needs engine='native': environment workers send their model "
                              "calls to the native rollout servers (vLLM engines serve single-turn runs here)")
@@ -163,6 +190,8 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
         """Ray CPUs each role reserves at once (the warm start runs before the trainers, on their share)."""
         demand = {"trainers": self.trainers * self.trainer_cpus, "rollout servers": self.servers * self.server_cpus,
                   "sandbox runners": self.sandbox_runners * self.sandbox_cpus}
+        if self.reward == "judge":
+            demand["judge servers"] = self.judge_servers * self.judge_cpus
         if self.environment is not None:
             demand["environment workers"] = self.environment_workers * self.environment_cpus
         return demand

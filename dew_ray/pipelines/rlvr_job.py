@@ -6,8 +6,8 @@ work from it (:func:`trainer_job`), the same GRPO job
 the one-process example trains (:func:`dew.recipes.rlvr_recipe.grpo_job`), here over a
 :class:`~dew_ray.actors.ServerPool` of the rollout-server actors (or, with ``engine="vllm"``,
 an EnginePool over the vLLM engines, :func:`engine_rollouts`), scored by the built-in
-rewards with code on the sandbox-runner actors (:class:`~dew_ray.actors.RemoteFleet`), or by
-the user's reward function. What the setup holds (the policy, its tokenizer, the prompt rows
+rewards with code on the sandbox-runner actors (:class:`~dew_ray.actors.RemoteFleet`), by
+a model judge on the judge-server actors (:func:`judge_pool`), or by the user's reward function. What the setup holds (the policy, its tokenizer, the prompt rows
 and the row width) comes from :func:`dew.recipes.rlvr_plan.plan_run`: the built-in tasks and
 decoder, or the user's model and prompts.
 With an ``environment`` each trainer's source is a
@@ -31,6 +31,7 @@ from dew.recipes.rlvr_recipe import grpo_job, rollout_sampling, warm_start
 from dew.models.pretrained import Pretrained
 from dew.records.verl_rows import to_verl
 from dew.sampling import Sampling
+from dew.recipes.judge_reward import JudgeReward
 from dew.recipes.run_environment import EnvironmentSetup, build_environment
 from dew_ray.actors import RemoteEnvironmentSource, RemoteFleet, RemoteRolloutServer, ServerPool, TrainJob, vllm_rollouts
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
@@ -55,6 +56,10 @@ class Setup:
     environment: object = None  # the environment factory (config environment); None: single-turn draws
     context_tokens: int | None = None  # with an environment, the longest context a model call reads
     demonstrations: object = None  # how the built-in warm start writes a task's demonstration (None: the plain one)
+    judge_tokenizer: object = None  # reward="judge": the judge's tokenizer, EOS ids and reply parser
+    judge_eos_ids: tuple[int, ...] = ()
+    judge_parse: object = None
+    judges: list | None = None  # reward="judge": (name, RolloutServerActor) of the judge servers, once started
 
     def sampling(self) -> Sampling:
         return rollout_sampling(self.config, self.eos_ids)
@@ -80,11 +85,12 @@ class PipelineEnvironment:
     setup: Setup
     runners: list
 
-    def build(self, fleet=None) -> tuple:
-        """(environment, verifier); ``fleet``: the process's own sandbox fleet (default: one over ``runners``)."""
+    def build(self, fleet=None, judges=None) -> tuple:
+        """(environment, verifier); ``fleet``, ``judges``: the process's own sandbox fleet and judge pool (default:
+        ones over ``runners`` and the setup's judge servers)."""
         setup = self.setup
         fleet = fleet or RemoteFleet(self.runners, workers=setup.config.sandbox_workers)
-        reward = pipeline_reward(setup, fleet)
+        reward = pipeline_reward(setup, fleet, judges or judge_pool(setup))
         return build_environment(setup.environment, EnvironmentSetup(setup.tokenizer, reward, setup.eos_ids,
                                                                      setup.config.max_turns))
 
@@ -119,9 +125,24 @@ def engine_rollouts(setup: Setup, version: int, push: str = "reload"):
                          nccl_library=library if push == "nccl" else None, timeout=config.server_timeout)
 
 
-def pipeline_reward(setup: Setup, fleet):
-    """The run's reward: the verifiable routes (code on ``fleet``), or the user's function."""
-    return verifiable_reward(fleet) if setup.reward == "verifiable" else setup.reward
+def judge_pool(setup: Setup) -> ServerPool | None:
+    """A pool over the run's judge servers for this process (None without a judge)."""
+    if not setup.judges:
+        return None
+    return ServerPool([RemoteRolloutServer(actor, name) for name, actor in setup.judges],
+                      timeout=setup.config.server_timeout)
+
+
+def pipeline_reward(setup: Setup, fleet, judges: ServerPool | None = None):
+    """The run's reward: the verifiable routes (code on ``fleet``), the judge on ``judges``, or the user's function."""
+    config = setup.config
+    if setup.reward == "verifiable":
+        return verifiable_reward(fleet)
+    if setup.reward == "judge":
+        return JudgeReward(judges, setup.judge_tokenizer, config.judge_template, setup.judge_parse,
+                           max_new_tokens=config.judge_max_new_tokens, max_length=config.judge_max_length,
+                           eos_ids=setup.judge_eos_ids, chat=config.judge_chat_template)
+    return setup.reward
 
 
 class CountingFleet:
@@ -151,10 +172,11 @@ def trainer_job(setup: Setup, params, servers: list, runners: list, environment_
     else:
         pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers], timeout=config.server_timeout)
     fleet = CountingFleet(RemoteFleet(runners, workers=config.sandbox_workers))
+    judges = judge_pool(setup)
     # The trainer's own bar stays off: the driver shows the run's. (The config is not rebuilt here: its checks,
     # the prompts file's existence among them, hold on the driver's machine, not necessarily on this node.)
     job = grpo_job(config, setup.model, params, tokenizer, setup.rows, setup.prompt_len, pool,
-                   pipeline_reward(setup, fleet), loading=Loading(seed=config.seed),
+                   pipeline_reward(setup, fleet, judges), loading=Loading(seed=config.seed),
                    eos_ids=setup.eos_ids, template_options=setup.template_options,
                    score_workers=max(2, config.sandbox_workers * len(runners)), progress=False,
                    output_dir=str(Path(setup.run_dir) / "grpo"),
@@ -181,6 +203,8 @@ def trainer_job(setup: Setup, params, servers: list, runners: list, environment_
     def close():
         job.close()
         pool.close()
+        if judges is not None:
+            judges.close()
 
     return TrainJob(job.trainer, job.data, close=close, report=report)
 
