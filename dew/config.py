@@ -17,7 +17,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar, get_origin
+from typing import Any, ClassVar, TypeVar, get_origin
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
@@ -55,8 +55,7 @@ def describe(error: ValidationError, kind: type[BaseModel] | None = None) -> str
         field = ".".join(str(part) for part in item["loc"])
         known = kind.model_fields.get(str(item["loc"][0])) if kind is not None and item["loc"] else None
         if item["type"] == "extra_forbidden":
-            known = f"; known: {sorted(kind.model_fields)}" if kind is not None else ""
-            lines.append(f"unknown config field {field!r}{known}")
+            lines.append(_unknown(kind, field) if kind is not None else f"unknown config field {field!r}")
         elif item["type"] == "value_error" and not field:
             lines.append(str(item["ctx"]["error"]) if "ctx" in item else item["msg"])
         elif item["type"] == "value_error":
@@ -68,9 +67,14 @@ def describe(error: ValidationError, kind: type[BaseModel] | None = None) -> str
 
 
 class Config(BaseModel):
-    """Base of every run configuration (see the module docstring); values are checked when it is built."""
+    """Base of every run configuration (see the module docstring); values are checked when it is built.
+
+    ``synonyms``: names other tools give these fields (verl's ``max_response_length`` for
+    ``max_new_tokens``), which an unknown-field error points from to the field.
+    """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+    synonyms: ClassVar[dict[str, str]] = {}
 
     def __init__(self, **values: Any):
         try:
@@ -79,13 +83,20 @@ class Config(BaseModel):
             raise ConfigError(describe(error, type(self))) from None
 
 
+def _unknown(kind: type[BaseModel], name: str, where: str = "") -> str:
+    """The error for a field ``kind`` does not have, pointing a synonym to its field."""
+    field = getattr(kind, "synonyms", {}).get(name)
+    hint = f" (other tools' name for {field!r}: set {field!r})" if field else ""
+    return f"unknown config field {name!r}{where}{hint}; known: {sorted(kind.model_fields)}"
+
+
 def _override(kind: type[Config], item: str) -> tuple[str, Any]:
     name, sep, text = item.partition("=")
     if not sep:
         raise ConfigError(f"an override must read key=value, got {item!r}")
     field = kind.model_fields.get(name)
     if field is None:
-        raise ConfigError(f"unknown config field {name!r} in override {item!r}; known: {sorted(kind.model_fields)}")
+        raise ConfigError(_unknown(kind, name, f" in override {item!r}"))
     adapter = TypeAdapter(field.annotation)
     if text.lower() in ("none", "null"):
         try:
@@ -118,7 +129,7 @@ def load_config(kind: type[C], path: str | Path | None = None, overrides: Iterab
             data = data[table]
         unknown = sorted(set(data) - set(kind.model_fields))
         if unknown:
-            raise ConfigError(f"{path}: unknown config field {unknown[0]!r}; known: {sorted(kind.model_fields)}")
+            raise ConfigError(f"{path}: {_unknown(kind, unknown[0])}")
         merged.update(data)
     merged.update(_override(kind, item) for item in overrides)
     merged.update(values)

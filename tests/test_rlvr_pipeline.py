@@ -67,6 +67,12 @@ def test_config_file_overrides_and_named_errors(tmp_path):
     path.write_text("steps = 3\nwidth = 9\n")
     with pytest.raises(ValueError, match="unknown config field 'width'"):
         load_config(path)
+    # verl's and TRL's names point to dew's fields, in a file and in an override
+    path.write_text("[rlvr]\ntrain_files = 'gsm8k/train.parquet'\n")
+    with pytest.raises(ValueError, match="unknown config field 'train_files' \\(other tools' name for 'prompts'"):
+        load_config(path)
+    with pytest.raises(ValueError, match="'max_response_length' in override .* name for 'max_new_tokens': set"):
+        load_config(None, ["max_response_length=64"])
 
 
 def scrape(port: int, names: list[str], expect: dict[str, float], timeout: float = 60) -> dict[str, float]:

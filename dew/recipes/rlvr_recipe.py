@@ -81,6 +81,11 @@ class RLVRConfig(Config):
     warmup_steps: updates over which the learning rate rises linearly from 0 before the cosine.
     """
 
+    synonyms = {"max_response_length": "max_new_tokens", "n": "samples", "rollout_n": "samples",
+                "train_batch_size": "tasks_per_step", "total_training_steps": "steps", "lr": "learning_rate",
+                "lr_warmup_steps": "warmup_steps", "num_generations": "samples",
+                "max_completion_length": "max_new_tokens"}  # verl's and TRL's names
+
     steps: int = Field(80, ge=1)
     seed: int = Field(0, ge=0)
     max_lag: int = Field(1, ge=0)

@@ -100,6 +100,9 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     files in ``<run_dir>/tensorboard``, a W&B run in ``<run_dir>/wandb``.
     """
 
+    synonyms = {**RLVRConfig.synonyms, "train_files": "prompts", "val_files": "val_prompts", "path": "model",
+                "model_path": "model", "reward_function": "reward"}  # verl's names
+
     run_dir: str = "runs/rlvr"
     trainers: int = Field(1, ge=1)
     servers: int = Field(1, ge=1)
