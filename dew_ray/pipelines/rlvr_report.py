@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 SMOOTHING = 10  # updates in the training reward's moving average
+SOURCE_COLORS = ["#66ccee", "#aa3377", "#ccbb44", "#ee6677"]  # the held-out curve of each data source
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -23,7 +24,8 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def plot(rows: list[dict], summary: dict, path: Path, title: str) -> None:
-    """The training reward per update (raw and smoothed) with the held-out reward curve, and throughput."""
+    """The training reward per update (raw and smoothed) with the held-out reward curve (and one per data source
+    when there are several), and throughput."""
     steps = [row["step"] for row in rows]
     figure, (reward, speed) = plt.subplots(1, 2, figsize=(10, 3.4))
     train = [row.get("rollout/reward/mean", float("nan")) for row in rows]
@@ -31,8 +33,12 @@ def plot(rows: list[dict], summary: dict, path: Path, title: str) -> None:
     reward.plot(steps, moving_average(train, SMOOTHING), color="#228833",
                 label=f"training, mean of {SMOOTHING} updates")
     curve = summary["held_out"]
-    reward.plot([point["step"] for point in curve], [point["reward"]["all"] for point in curve], marker="o",
-                color="#4477aa", label="held-out tasks")
+    held = [point["step"] for point in curve]
+    reward.plot(held, [point["reward"]["all"] for point in curve], marker="o", color="#4477aa", label="held-out tasks")
+    sources = [name for name in curve[0]["reward"] if name != "all" and not name.startswith("pass@")]
+    for name, color in zip(sources if len(sources) > 1 else [], SOURCE_COLORS * len(sources)):  # each data source
+        reward.plot(held, [point["reward"].get(name, float("nan")) for point in curve], marker="o", markersize=3,
+                    linestyle="--", linewidth=1, color=color, label=f"held-out {name}")
     reward.set_xlabel("update")
     reward.set_ylabel("mean reward")
     reward.set_ylim(0, 1)
