@@ -132,3 +132,17 @@ def test_stage_configs_read_toml_tables_and_overrides(tmp_path):
     assert (config.steps, config.batch, config.learning_rate, config.seq_len) == (3, 4, 2e-5, 255)
     with pytest.raises(ConfigError, match="config field 'groups' must be an integer >= 2, got 1"):
         load_config(StageRun, path, ["groups=1"], table="sft")
+
+
+def test_a_grpo_stage_takes_the_pipelines_verifiable_routes():
+    from dew.data.verifiable import CODE_SOURCE, verifiable_tasks
+    from dew.recipes.stage_files import load_reward
+
+    reward = load_reward("verifiable")
+    assert reward("openai/gsm8k", "so #### 72", "72", "{}") == 1.0 and reward("openai/gsm8k", "72", "72", "{}") == 0.0
+    (code,) = [task for task in verifiable_tasks(4, seed=0) if task.data_source == CODE_SOURCE][:1]
+    assert reward(CODE_SOURCE, code.answer, code.ground_truth, "{}") == 1.0  # its program ran in the sandbox
+    with pytest.raises(ValueError, match="no reward for data_source 'quiz'; known: \\['DigitalLearningGmbH"):
+        reward("quiz", "x", "y", "{}")
+    with pytest.raises(ValueError, match="needs config field 'reward': \"math\", \"verifiable\""):
+        load_reward(None)

@@ -41,7 +41,9 @@ from dew.data.chat import ChatMessages
 from dew.data.preference_pairs import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.models.pretrained import Pretrained, load_pretrained
-from dew.recipes.reward_routing import reward_function
+from dew.recipes.reward_routing import reward_function, verifiable_reward
+from dew.recipes.rlvr_recipe import SANDBOX_LIMITS, sandbox_runner
+from dew.sandbox import SandboxFleet
 from dew.recipes.stage_chain import Stage, stage_trainer
 from dew.experiment_trackers import TrackerOptions
 from dew.sandbox.verifiable_rewards import MathReward
@@ -56,8 +58,8 @@ class StageOptions(Config):
     data: the data file or directory; steps: batches to train; seq_len: SFT's predicted
     positions (rows of seq_len + 1 ids) or DPO's pair width; column: SFT's conversation column;
     max_prompt_len: GRPO's prompt width (a longer prompt keeps its end); beta: DPO's or GRPO's
-    (None: the objective's default); reward: GRPO's reward, "math", "module:function" or
-    "path/file.py:function"; groups: GRPO's completions per prompt; max_new_tokens: GRPO's
+    (None: the objective's default); reward: GRPO's reward, "math", "verifiable" (routed by
+    ``data_source`` as the RLVR pipeline's), "module:function" or "path/file.py:function"; groups: GRPO's completions per prompt; max_new_tokens: GRPO's
     response budget; top_k, top_p: GRPO's sampling filters; log_every: updates between log lines
     (default: a tenth of steps).
     """
@@ -109,13 +111,17 @@ class StageRun(ModelOptions, StageOptions, TrackerOptions):
 
 
 def load_reward(name: str | None) -> Callable[[str, str, str, str], float]:
-    """``"math"``, or a function of dew's reward signature: ``"module:function"`` or ``"path/file.py:function"``
+    """``"math"``, ``"verifiable"`` (the RLVR pipeline's routes by ``data_source``, code programs in a bubblewrap
+    SandboxFleet of this process: :func:`~dew.recipes.reward_routing.verifiable_reward`), or a function of dew's
+    reward signature: ``"module:function"`` or ``"path/file.py:function"``
     (:func:`~dew.recipes.reward_routing.reward_function`: a module in the working directory imports too)."""
     if name is None:
-        raise ValueError("a grpo stage needs config field 'reward': \"math\", \"module:function\" or "
-                         "\"file.py:function\"")
+        raise ValueError("a grpo stage needs config field 'reward': \"math\", \"verifiable\", \"module:function\" "
+                         "or \"file.py:function\"")
     if name == "math":
         return MathReward()
+    if name == "verifiable":
+        return verifiable_reward(SandboxFleet(sandbox_runner("bwrap"), SANDBOX_LIMITS))
     return reward_function(name)
 
 
