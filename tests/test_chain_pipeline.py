@@ -15,7 +15,8 @@ from test_stage_cli import write_data, write_model
 from dew.config import ConfigError, load_config
 from dew.models.pretrained import load_pretrained
 from dew.recipes.stage_chain import stage_trainer
-from dew.recipes.stage_files import model_tokenizer, stage_of
+from dew.recipes.run_inputs import model_tokenizer
+from dew.recipes.stage_files import stage_of
 from dew_ray.pipelines.chain import ChainConfig
 from tracker_files import tensorboard_scalars
 

@@ -15,7 +15,6 @@ from dew.data.verifiable import (
     MATH_SOURCE,
     demonstration_dataset,
     demonstration_documents,
-    mean_by_family,
     shared_prompts,
     task_rows,
     task_tokenizer,
@@ -147,8 +146,6 @@ def test_bad_generator_arguments_raise():
         verifiable_tasks(2, families=("math", "math"))
     with pytest.raises(ValueError, match=r"split must be one of \('train', 'held_out'\), got 'test'"):
         verifiable_tasks(2, split="test")
-    with pytest.raises(ValueError, match="one reward per task"):
-        mean_by_family(verifiable_tasks(2), [1.0])
 
 
 def test_rows_read_by_prompts_and_prompt_tasks(tokenizer):

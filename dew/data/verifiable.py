@@ -54,8 +54,6 @@ import string
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from dew.data.chat import Role
 from dew.data.dataset import Dataset
 from dew.data.loading import Loading, row_stream
@@ -334,13 +332,3 @@ def demonstration_dataset(tokenizer, tasks: Sequence[VerifiableTask], seq_len: i
     train = row_stream(rows, batch, Loading(seed=seed), "demonstration_dataset")
     return Dataset(train=train, val=None, records=len(rows["text"]), batch=batch)
 
-
-def mean_by_family(tasks: Sequence[VerifiableTask], rewards: Sequence[float]) -> dict[str, float]:
-    """Mean reward per family and overall (``"all"``) for rewards aligned with ``tasks``."""
-    if len(tasks) != len(rewards) or not tasks:
-        raise ValueError(f"need one reward per task and at least one task, got {len(rewards)} for {len(tasks)}")
-    values = np.asarray(rewards, np.float64)
-    out = {"all": float(values.mean())}
-    for family in sorted({t.family for t in tasks}):
-        out[family] = float(values[[t.family == family for t in tasks]].mean())
-    return out

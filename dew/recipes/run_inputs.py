@@ -54,6 +54,11 @@ def load_tokenizer(directory: str | Path, field: str = "tokenizer"):
                          f"({type(error).__name__}: {str(error).splitlines()[0][:300]})") from None
 
 
+def model_tokenizer(model: str | Path, tokenizer: str | Path | None = None, field: str = "model"):
+    """The tokenizer of the model directory (config field ``field``), or of ``tokenizer`` when given."""
+    return load_tokenizer(tokenizer or model, "tokenizer" if tokenizer else field)
+
+
 def load_policy(model: str | Path, tokenizer: str | Path | None = None, dtype: str = "float32",
                 field: str = "model") -> Policy:
     """The Hugging Face model directory ``model`` (config field ``field``) as a Policy (see the module docstring)."""
@@ -69,7 +74,7 @@ def load_policy(model: str | Path, tokenizer: str | Path | None = None, dtype: s
         params = pretrained.load()
     except (FileNotFoundError, KeyError, ValueError) as error:
         raise ValueError(f"config field {field!r}: {error}") from None
-    words = load_tokenizer(tokenizer or directory, "tokenizer" if tokenizer else field)
+    words = model_tokenizer(directory, tokenizer, field)
     if len(words) > built.vocab_size:
         raise ValueError(f"config field 'tokenizer': its {len(words)} ids do not fit the model's vocab_size "
                          f"{built.vocab_size} ({directory / 'config.json'})")

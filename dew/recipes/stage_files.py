@@ -43,6 +43,7 @@ from dew.data.prompts import Prompts
 from dew.models.pretrained import Pretrained, load_pretrained
 from dew.recipes.reward_routing import reward_function, verifiable_reward
 from dew.recipes.rlvr_recipe import SANDBOX_LIMITS, sandbox_runner
+from dew.recipes.run_inputs import model_tokenizer
 from dew.sandbox import SandboxFleet
 from dew.recipes.stage_chain import Stage, stage_trainer
 from dew.experiment_trackers import TrackerOptions
@@ -155,13 +156,6 @@ def stage_of(options: StageOptions, kind: str, name: str, tokenizer) -> Stage:
     return Stage(name, Prompts(path=path, tokenizer=tokenizer, max_prompt_len=options.max_prompt_len), **common,
                  **beta, reward=load_reward(options.reward), groups=options.groups,
                  max_new_tokens=options.max_new_tokens, sample=sample)
-
-
-def model_tokenizer(model: str, tokenizer: str | None):
-    """The tokenizer of the model directory (or of ``tokenizer``, a directory or Hub name)."""
-    from transformers import AutoTokenizer  # transformers is slow to import; only file-based runs need it
-
-    return AutoTokenizer.from_pretrained(tokenizer or model)
 
 
 def decoding(tokenizer) -> dict:

@@ -53,9 +53,9 @@ from dew.recipes.stage_files import (
     check_context,
     decoding,
     export_policy,
-    model_tokenizer,
     stage_of,
 )
+from dew.recipes.run_inputs import model_tokenizer
 from dew.recipes.stage_chain import stage_trainer
 from dew_ray.actors import start_trainer_group, step_group
 from dew_ray.actors.trainer_actor import TrainJob
