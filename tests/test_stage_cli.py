@@ -146,3 +146,31 @@ def test_a_grpo_stage_takes_the_pipelines_verifiable_routes():
         reward("quiz", "x", "y", "{}")
     with pytest.raises(ValueError, match="needs config field 'reward': \"math\", \"verifiable\""):
         load_reward(None)
+
+
+def test_stages_take_dtype_warm_up_and_the_thinking_switch(tmp_path, qwen3_gsm8k):
+    import jax.numpy as jnp
+    import optax
+
+    from dew.recipes.run_inputs import model_tokenizer
+    from dew.recipes.stage_files import stage_of
+
+    model_dir, parquet, _ = qwen3_gsm8k
+    config = load_config(StageRun, None, [f"model={model_dir}", f"data={parquet}", "steps=4", "dtype=bfloat16",
+                                          "warmup_steps=10", "learning_rate=1e-4", "enable_thinking=false",
+                                          "reward=verifiable"])
+    model, variables = config.load_model()
+    assert model.dtype == jnp.bfloat16 and variables["params"]["norm"]["scale"].dtype == jnp.float32
+    assert config.load_model(weights=False)[1] is None
+    optimizer = config.optimizer()  # AdamW rising from 0 to learning_rate over warmup_steps
+    state = optimizer.init({"w": jnp.ones(())})
+    steps = []
+    for _ in range(12):
+        update, state = optimizer.update({"w": jnp.ones(())}, state, {"w": jnp.ones(())})
+        steps.append(float(-update["w"]))
+    assert steps[0] == 0 and steps[5] < steps[9] and steps[10] == pytest.approx(steps[11])
+    assert isinstance(optimizer, optax.GradientTransformation)
+    stage = stage_of(config, "grpo", "grpo", model_tokenizer(model_dir))
+    assert stage.data.template_options == {"enable_thinking": False}
+    with pytest.raises(ConfigError, match="cannot read 'float16' as config field 'dtype' \\(one of 'float32'"):
+        load_config(StageRun, None, [f"model={model_dir}", f"data={parquet}", "steps=1", "dtype=float16"])

@@ -40,10 +40,10 @@ from dew.config import Config
 from dew.data.chat import ChatMessages
 from dew.data.preference_pairs import PreferencePairs
 from dew.data.prompts import Prompts
-from dew.models.pretrained import Pretrained, load_pretrained
+from dew.models.pretrained import Pretrained
 from dew.recipes.reward_routing import reward_function, verifiable_reward
 from dew.recipes.rlvr_recipe import SANDBOX_LIMITS, sandbox_runner
-from dew.recipes.run_inputs import model_tokenizer
+from dew.recipes.run_inputs import DTYPES, model_tokenizer
 from dew.sandbox import SandboxFleet
 from dew.recipes.stage_chain import Stage, stage_trainer
 from dew.experiment_trackers import TrackerOptions
@@ -61,8 +61,9 @@ class StageOptions(Config):
     max_prompt_len: GRPO's prompt width (a longer prompt keeps its end); beta: DPO's or GRPO's
     (None: the objective's default); reward: GRPO's reward, "math", "verifiable" (routed by
     ``data_source`` as the RLVR pipeline's), "module:function" or "path/file.py:function"; groups: GRPO's completions per prompt; max_new_tokens: GRPO's
-    response budget; top_k, top_p: GRPO's sampling filters; log_every: updates between log lines
-    (default: a tenth of steps).
+    response budget; top_k, top_p: GRPO's sampling filters; enable_thinking: the chat template's
+    thinking switch for GRPO's message prompts (Qwen3's; None leaves the template's default);
+    log_every: updates between log lines (default: a tenth of steps).
     """
 
     data: str
@@ -76,6 +77,7 @@ class StageOptions(Config):
     max_new_tokens: int = Field(default=16, ge=1)
     top_k: int | None = Field(default=None, ge=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    enable_thinking: bool | None = None
     log_every: int | None = Field(default=None, ge=1)
 
 
@@ -90,14 +92,30 @@ class ModelOptions(Config):
     """The model a run trains and how.
 
     model: the Hugging Face model directory; tokenizer: its tokenizer (default: the model
-    directory's); batch: rows per batch; learning_rate: AdamW's; seed: the run's key.
+    directory's); dtype: what the model computes in ("bfloat16": bfloat16 products over float32
+    master weights); batch: rows per batch; learning_rate: AdamW's; warmup_steps: updates over
+    which the learning rate rises linearly from 0 (then constant); seed: the run's key.
     """
 
     model: str
     tokenizer: str | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
     batch: int = Field(default=8, ge=1)
     learning_rate: float = Field(default=1e-5, gt=0)
+    warmup_steps: int = Field(default=0, ge=0)
     seed: int = 0
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """AdamW at ``learning_rate``, after a linear warm-up over ``warmup_steps`` updates."""
+        rate = (optax.linear_schedule(0.0, self.learning_rate, self.warmup_steps) if self.warmup_steps
+                else self.learning_rate)
+        return optax.adamw(rate)
+
+    def load_model(self, weights: bool = True):
+        """(model, variables) of the model directory, computing in ``dtype`` over float32 weights (``weights=False``:
+        the variables are not read, None)."""
+        pretrained = Pretrained.from_directory(self.model)
+        return pretrained.model(dtype=DTYPES[self.dtype]), pretrained.load() if weights else None
 
 
 class StageRun(ModelOptions, StageOptions, TrackerOptions):
@@ -153,7 +171,9 @@ def stage_of(options: StageOptions, kind: str, name: str, tokenizer) -> Stage:
         return Stage(name, PreferencePairs(path=path, seq_len=options.seq_len, tokenizer=tokenizer, pad_id=int(pad)),
                      **common, **beta)
     sample = {key: value for key, value in (("top_k", options.top_k), ("top_p", options.top_p)) if value is not None}
-    return Stage(name, Prompts(path=path, tokenizer=tokenizer, max_prompt_len=options.max_prompt_len), **common,
+    thinking = {} if options.enable_thinking is None else {"enable_thinking": options.enable_thinking}
+    return Stage(name, Prompts(path=path, tokenizer=tokenizer, max_prompt_len=options.max_prompt_len,
+                               template_options=thinking), **common,
                  **beta, reward=load_reward(options.reward), groups=options.groups,
                  max_new_tokens=options.max_new_tokens, sample=sample)
 
@@ -174,13 +194,13 @@ def export_policy(model_dir: str | Path, params, directory: str | Path, tokenize
 def run_stage(config: StageRun, kind: str, progress: bool = True) -> tuple[TrainState, Path]:
     """Train one stage in this process (see the module docstring); returns its final state and policy directory."""
     tokenizer = model_tokenizer(config.model, config.tokenizer)
-    model, start = load_pretrained(config.model)
+    model, start = config.load_model()
     check_context(config, kind, model, config.model)
     stage = stage_of(config, kind, kind, tokenizer)
     output = Path(config.output_dir).expanduser()
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(json.dumps({"kind": kind, **config.model_dump()}, indent=2))
-    trainer, data = stage_trainer(model, optax.adamw(config.learning_rate), jax.random.key(config.seed),
+    trainer, data = stage_trainer(model, config.optimizer(), jax.random.key(config.seed),
                                   output / kind, config.batch, stage, start, progress,
                                   **(decoding(tokenizer) if kind == "grpo" else {}),
                                   trackers=config.experiment_trackers(name=f"{output.name}-{kind}"))

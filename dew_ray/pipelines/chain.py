@@ -39,14 +39,12 @@ import time
 from pathlib import Path
 
 import jax
-import optax
 import ray
 from pydantic import Field, model_validator
 
 from dew.config import load_config
 from dew.validation import distinct
 from dew.experiment_trackers import MetricWriters, TrackerOptions
-from dew.models.pretrained import Pretrained
 from dew.recipes.stage_files import (
     ModelOptions,
     StageSpec,
@@ -93,13 +91,12 @@ def stage_job(config: ChainConfig, index: int, run_dir: str, start: list | None)
     previous stage's policy as an object reference; None for the model directory's weights)."""
     spec = config.stages[index]
     tokenizer = model_tokenizer(config.model, config.tokenizer)
-    pretrained = Pretrained.from_directory(config.model)
-    model = pretrained.model()
     # a later stage starts from the previous policy: the directory's weights are read for the first stage only
-    variables = pretrained.load() if start is None else ray.get(start[0])
+    model, variables = config.load_model(weights=start is None)
+    variables = variables if start is None else ray.get(start[0])
     check_context(spec, spec.kind, model, config.model)
     stage = stage_of(spec, spec.kind, spec.name, tokenizer)
-    trainer, data = stage_trainer(model, optax.adamw(config.learning_rate),
+    trainer, data = stage_trainer(model, config.optimizer(),
                                   jax.random.fold_in(jax.random.key(config.seed), index + 1),
                                   Path(run_dir) / spec.name, config.batch, stage, variables, False,
                                   **(decoding(tokenizer) if spec.kind == "grpo" else {}))
