@@ -171,7 +171,7 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
             raise ValueError("config field 'environment' needs engine='native': environment workers send their model "
                              "calls to the native rollout servers (vLLM engines serve single-turn runs here)")
         if self.environment is None and (self.max_context_tokens is not None
-                                         or "max_turns" in self.model_fields_set):
+                                         or self.max_turns != type(self).model_fields["max_turns"].default):
             raise ValueError("config fields 'max_turns' and 'max_context_tokens' need 'environment': a run without "
                              "one draws a single response per prompt")
         if self.engine_python is not None and self.engine != "vllm":
