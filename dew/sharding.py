@@ -1,10 +1,9 @@
-"""Device meshes, batch sharding and multi-process set-up for data-parallel training.
+"""Batch sharding and multi-process set-up: the rows of a batch over a mesh's batch axes.
 
-Training is data parallel: parameters and optimizer state are replicated and each
-batch is split along its first axis over a one-axis mesh named ``"data"`` that spans
-every device of every process. A process holds only its own rows of a global batch
-(:func:`shard_batch` assembles the global array from process-local shards), so each
-process reads only its partition of the data.
+A mesh (:mod:`dew.parallelism`) splits batch rows over its ``data`` and ``fsdp`` axes. A
+process holds only its own rows of a global batch (:func:`shard_batch` assembles the
+global array from process-local shards), so each process reads only its partition of the
+data. How the training state is split is :mod:`dew.parallelism`'s rule table.
 """
 
 from __future__ import annotations
@@ -16,17 +15,24 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.data.dataset import Partition, local_partition
-
-DATA_AXIS = "data"
+from dew.parallelism import DATA_AXIS, Parallelism, batch_axes, batch_devices
 
 
 def data_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A one-axis ``"data"`` mesh over ``devices`` (default: every device of every process)."""
-    devices = list(devices) if devices is not None else jax.devices()
-    return Mesh(np.array(devices), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    """The replicated data-parallel mesh over ``devices`` (default: every device of every process)."""
+    return Parallelism().mesh(devices)
+
+
+def mesh_of(variables, default: Mesh | None = None) -> Mesh:
+    """The trainer's mesh, read from the variables' sharding (else ``default``, else the data mesh of every device)."""
+    for leaf in jax.tree.leaves(variables):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and DATA_AXIS in sharding.mesh.axis_names:
+            return sharding.mesh
+    return default if default is not None else data_mesh()
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -34,7 +40,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def row_sharded(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    """Rows split over the mesh's batch axes (``data`` x ``fsdp``), the rest of each row whole."""
+    return NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))
 
 
 def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
@@ -55,7 +62,7 @@ def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Ar
         elif shape[0] != rows:
             raise ValueError(f"batch field {name!r} has {shape[0]} rows but field {first!r} has {rows}")
     global_rows = rows * jax.process_count()
-    devices = mesh.devices.size
+    devices = batch_devices(mesh)
     if global_rows % devices:
         raise ValueError(
             f"a batch of {global_rows} rows does not divide across {devices} devices; "

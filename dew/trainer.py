@@ -16,7 +16,10 @@ What a step does, on the host and then compiled:
    ``takes_step`` is true also gets ``step=TrainState.step``, the attempted-work clock
    (EpisodeRollout puts it in its episode identities); when it returns ``None`` the step
    consumes the batch but makes no update;
-3. the batch is sharded over the ``"data"`` mesh (global rows must divide the device count);
+3. the batch rows are split over the mesh's ``data`` x ``fsdp`` axes (global rows must divide
+   their size); parameters, optimizer state, EMA and gradient sums are placed by
+   :mod:`dew.parallelism`'s rule table (``parallelism=Parallelism(fsdp=8)`` shards them;
+   the default replicates them, plain data parallelism);
 4. the jitted update computes the loss and gradients; with ``accumulate=k`` it adds
    them to a running sum and commits one optimizer update every k batches, so
    ``TrainState.step`` counts batches and ``TrainState.updates`` committed updates;
@@ -46,13 +49,14 @@ from flax import struct
 from dew.checkpoint import Checkpoints
 from dew.data.dataset import Batch, Dataset, Partition, TrainStream
 from dew.objectives.base import Objective, Variables
+from dew.parallelism import Parallelism, ShardingPlan, plan_shardings
 from dew.sharding import (
-    data_mesh,
     describe_error,
     exchange,
     local_partition,
     raise_failures,
     replicated,
+    row_sharded,
     shard_batch,
 )
 from dew.experiment_trackers import ExperimentTracker, trackers_of
@@ -100,14 +104,16 @@ class Rollout(Protocol):
 
 
 class Trainer:
-    """Data-parallel training of one objective with one optax optimizer.
+    """Training of one objective with one optax optimizer over a device mesh.
 
     key: a JAX PRNG key; the initial variables and every step's randomness derive from it.
     rollout: a :class:`Rollout` called before each update (RL objectives), or None.
     accumulate: batches per optimizer update (gradient accumulation), default 1.
     output_dir: where checkpoints and ``metrics.jsonl`` go; None writes nothing to disk.
     checkpoint_every: steps between checkpoints when ``output_dir`` is set (and one at the end).
-    devices: the devices of the data mesh (default: all devices of all processes).
+    devices: the devices of the mesh (default: all devices of all processes).
+    parallelism: how the mesh splits them (:class:`~dew.parallelism.Parallelism`: ``data``, ``fsdp`` and
+    ``tensor`` sizes); default: every device along ``data``, the state replicated.
     progress: show a progress bar in ``fit``.
     trackers: experiment trackers that receive ``fit``'s records beside ``metrics.jsonl``:
     names ("tensorboard", "wandb") or :class:`~dew.experiment_trackers.TensorBoard` /
@@ -126,6 +132,7 @@ class Trainer:
         checkpoint_every: int | None = None,
         keep_checkpoints: int | None = 3,
         devices=None,
+        parallelism: Parallelism | None = None,
         progress: bool = True,
         trackers: Sequence[str | ExperimentTracker] = (),
     ):
@@ -150,12 +157,17 @@ class Trainer:
         self.keep_checkpoints = keep_checkpoints
         self.progress = progress
         self.trackers = trackers
-        self.mesh = data_mesh(devices)
+        if parallelism is not None and not isinstance(parallelism, Parallelism):
+            raise TypeError(f"parallelism must be a dew.parallelism.Parallelism, got {type(parallelism).__name__}")
+        self.parallelism = parallelism or Parallelism()
+        self.mesh = self.parallelism.mesh(devices)
         self._replicated = replicated(self.mesh)
         self._key = _as_key(key)
-        self._update = jax.jit(self._update_fn, donate_argnums=0)
+        #: where each leaf of the state lives (TrainState's tree of NamedShardings, and what the rules left whole)
+        self.plan: ShardingPlan = plan_shardings(jax.eval_shape(self._state_from_key, self._key), self.mesh)
+        self._update = jax.jit(self._update_fn, donate_argnums=0, out_shardings=(self.plan.shardings, self._replicated))
         self._evaluate = jax.jit(objective.evaluate)
-        self._init = jax.jit(self._state_from_key, out_shardings=self._replicated)
+        self._init = jax.jit(self._state_from_key, out_shardings=self.plan.shardings)
 
     # ----- building states -------------------------------------------------------------------
 
@@ -177,8 +189,30 @@ class Trainer:
         )
 
     def initial_state(self) -> TrainState:
-        """The state before any step, replicated over the mesh; ``fit`` starts from the same one."""
+        """The state before any step, placed on the mesh by the plan; ``fit`` starts from the same one."""
         return self._init(self._key)
+
+    def step_memory(self, batch: Mapping[str, Any]) -> dict[str, int]:
+        """XLA's memory analysis of one compiled update, in bytes per device, for a global batch of these shapes.
+
+        ``batch`` maps each field to an array or a ``jax.ShapeDtypeStruct`` of the global batch; nothing of the
+        state is allocated (the update is lowered over abstract arrays), so this sizes models that do not fit.
+        Returns arguments (state and batch), outputs, temporaries, aliased (outputs written over donated
+        arguments) and peak = arguments + outputs + temporaries - aliased.
+        """
+        state = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                             jax.eval_shape(self._state_from_key, self._key), self.plan.shardings)
+        rows = row_sharded(self.mesh)
+        batch = {name: jax.ShapeDtypeStruct(tuple(value.shape), value.dtype, sharding=rows) for name, value in batch.items()}
+        analysis = self._update.lower(state, batch).compile().memory_analysis()
+        memory = {
+            "arguments": int(analysis.argument_size_in_bytes),
+            "outputs": int(analysis.output_size_in_bytes),
+            "temporaries": int(analysis.temp_size_in_bytes),
+            "aliased": int(analysis.alias_size_in_bytes),
+        }
+        memory["peak"] = memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
+        return memory
 
     # ----- the compiled update ---------------------------------------------------------------
 
@@ -197,6 +231,8 @@ class Trainer:
         key = jax.random.fold_in(jax.random.fold_in(state.key, state.step), 0)
         grad_fn = jax.value_and_grad(self.objective.loss, has_aux=True)
         (loss, metrics), grads = grad_fn(state.params, state.ema, batch, key)
+        # Gradients take the parameters' sharding: under fsdp each device reduces only its own slice of them.
+        grads = jax.lax.with_sharding_constraint(grads, self.plan.shardings.params)
         metrics = {"loss": loss, **metrics}
         if self.accumulate == 1:
             params, opt_state, ema = self._apply(state, grads)
@@ -317,10 +353,10 @@ class Trainer:
         return state.replace(key=jax.random.key_data(state.key))
 
     def _restore_from(self, checkpoints: Checkpoints, step: int | None = None) -> tuple[TrainState, Any]:
+        # The template takes this Trainer's plan, so a checkpoint written on another mesh restores onto this one.
         shapes = jax.eval_shape(lambda key: self._plain(self._state_from_key(key)), self._key)
-        template = jax.tree.map(
-            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._replicated), shapes
-        )
+        template = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                                shapes, plan_shardings(shapes, self.mesh).shardings)
         plain, position = checkpoints.restore(template, step)
         key = jax.random.wrap_key_data(plain.key, impl=jax.random.key_impl(self._key))
         return plain.replace(key=key), position

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from dew.data.dataset import Batch
 from dew.inference.publisher import WeightPublisher
 from dew.records.session_packing import pack
 from dew.sharding import (
-    DATA_AXIS,
     collective_host,
-    data_mesh,
     describe_error,
+    mesh_of,
     exchange,
     process_rows,
     raise_failures,
@@ -38,15 +36,6 @@ from dew.sharding import (
 
 RESCORED = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")
 _PADDING = {"support_ids": -1, "support_columns": -1}  # pack's fill for the fields it adds only with supports
-
-
-def mesh_of(variables):
-    """The trainer's data mesh, read from the variables' sharding (default: every device)."""
-    for leaf in jax.tree.leaves(variables):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and DATA_AXIS in sharding.mesh.axis_names:
-            return sharding.mesh
-    return data_mesh()
 
 
 class ProcessAgreement:

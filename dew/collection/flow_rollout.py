@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from dew.losses.advantages import population_group_advantages
-from dew.sharding import collective_host, data_mesh, describe_error, exchange, raise_failures, shard_batch
+from dew.sharding import collective_host, data_mesh, describe_error, exchange, mesh_of, raise_failures, shard_batch
 from dew.validation import integer
 
 
@@ -98,7 +98,9 @@ class FlowRollout:
         repeated = {name: np.repeat(np.asarray(value), self.groups, axis=0) for name, value in batch.items()}
         columns = {c.name: repeated[c.name].astype(np.int32) for c in inputs.conditions}
         columns["row"] = np.arange(offset, offset + rows, dtype=np.int32)
-        trajectory, densities, images = collective_host(self._sample(variables, shard_batch(columns, self.mesh), key))
+        # The rows go on the trainer's mesh (the variables'), whatever its axes; unsharded variables take this rollout's.
+        mesh = mesh_of(variables, self.mesh)
+        trajectory, densities, images = collective_host(self._sample(variables, shard_batch(columns, mesh), key))
         mine = slice(offset, offset + rows)
         scores = self._scores(images, repeated, processes)[mine]
         advantages = population_group_advantages(scores, self.groups)

@@ -33,6 +33,8 @@ float32 accumulation, in the forward pass and in both of their gradients, while 
 rotary, attention and the residual stream stay in the compute dtype: the Server serves
 that way in bfloat16, and training with float32 master weights and bfloat16 compute
 (``matmul_dtype`` on a float32 model) takes the same products.
+``remat="full"`` or ``"dots"`` recomputes each decoder layer's activations in the backward
+pass of a training forward pass (:data:`REMAT_POLICIES`); decoding never rematerialises.
 Parameter names follow Hugging Face's module names so checkpoints map one to one.
 """
 
@@ -47,6 +49,14 @@ import jax.numpy as jnp
 from flax import struct
 
 MLP_ACTIVATIONS = ("swiglu", "gelu")
+# Rematerialisation of decoder layers in training (jax.checkpoint): what the backward pass keeps of each layer's
+# forward pass. "none" keeps everything; "full" keeps only each layer's input and recomputes the layer; "dots"
+# keeps the weight products' outputs (no batch dimensions) and recomputes the rest (norms, rotary, softmax).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @struct.dataclass
@@ -361,6 +371,7 @@ class CausalTransformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     matmul_dtype: jnp.dtype | None = None  # operands of the weight products; None: the compute dtype
+    remat: str = "none"  # a key of REMAT_POLICIES: what training keeps of each layer for the backward pass
 
     @property
     def kv_heads(self) -> int:
@@ -398,9 +409,12 @@ class CausalTransformer(nn.Module):
             self.matmul_dtype,
         )
         rotation = rotary_table(positions, self.head_size, self.rope_theta)
+        block = Block
+        if REMAT_POLICIES[self.remat] is not None and cache is None:
+            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat])  # same names: the parameters do not change
         for layer in range(self.num_layers):
             layer_write = None if write is None else functools.partial(write, layer)
-            x = Block(options, name=f"layers_{layer}")(x, rotation, mask, layer_write)
+            x = block(options, name=f"layers_{layer}")(x, rotation, mask, layer_write)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         x = nn.RMSNorm(epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
@@ -490,6 +504,8 @@ def validate_config(model: CausalTransformer) -> None:
         raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {model.mlp_activation!r}")
     if model.logit_softcap is not None and model.logit_softcap <= 0:
         raise ValueError(f"logit_softcap must be positive or None, got {model.logit_softcap}")
+    if model.remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {model.remat!r}")
     if model.norm_eps <= 0:
         raise ValueError(f"norm_eps must be positive, got {model.norm_eps}")
 
