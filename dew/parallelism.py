@@ -32,7 +32,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -94,6 +94,32 @@ class Parallelism(Config):
     def describe(self, devices: int) -> str:
         data, fsdp, tensor = self.shape(devices)
         return f"data {data} x fsdp {fsdp} x tensor {tensor}"
+
+
+class MeshOptions(Config):
+    """The trainer's mesh and memory options of a pipeline's config (mixed into it).
+
+    fsdp, tensor: the sizes of the Trainer's ``fsdp`` and ``tensor`` mesh axes over every trainer process's
+    devices (``trainers`` processes x their local devices); ``data`` takes the rest (default: plain data
+    parallelism, the state replicated); remat: what the policy's decoder layers keep for the backward pass
+    ("none", "full": recompute each layer, "dots": keep the weight products' outputs).
+    """
+
+    fsdp: int = Field(1, ge=1)
+    tensor: int = Field(1, ge=1)
+    remat: Literal["none", "full", "dots"] = "none"
+
+    def parallelism(self) -> Parallelism:
+        return Parallelism(fsdp=self.fsdp, tensor=self.tensor)
+
+    def rematerialised(self, model):
+        """``model`` with its decoder layers rematerialised by ``remat`` (a model without the option is refused)."""
+        if self.remat == "none":
+            return model
+        if "remat" not in getattr(model, "__dataclass_fields__", {}):
+            raise ValueError(f"remat={self.remat!r} needs a decoder with layer rematerialisation "
+                             f"(dew's causal transformer); {type(model).__name__} has none")
+        return model.clone(remat=self.remat)
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:

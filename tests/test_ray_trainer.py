@@ -20,12 +20,13 @@ GLOBAL = np.random.default_rng(0).integers(0, 32, (8, 13)).astype(np.int32)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def lm_job(output_dir=None):
+def lm_job(output_dir=None, fsdp=1):
     import jax
     import optax
 
     from dew import Dataset, Trainer, models
     from dew.objectives import LMObjective
+    from dew.parallelism import Parallelism
 
     model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=2, num_heads=2,
                          mlp_features=32, max_seq_len=12)
@@ -35,22 +36,26 @@ def lm_job(output_dir=None):
         return itertools.repeat({"text": GLOBAL[partition.index * rows:(partition.index + 1) * rows]})
 
     trainer = Trainer(LMObjective(model, seq_len=12, ema_decay=None), optax.adam(1e-2), key=jax.random.key(0),
-                      output_dir=output_dir, progress=False)
+                      output_dir=output_dir, progress=False, parallelism=Parallelism(fsdp=fsdp))
     return TrainJob(trainer, Dataset(train=train, batch=8))
 
 
 def test_a_two_process_group_equals_one_process_on_the_same_global_batch(cluster):
-    group, started = start_trainer_group(lm_job, processes=2, local_devices=1, num_cpus=0.5)
+    """The group's two processes hold one FSDP mesh: each holds half of every sharded leaf."""
+    job = functools.partial(lm_job, fsdp=2)
+    group, started = start_trainer_group(job, processes=2, local_devices=1, num_cpus=0.5)
     assert [(s["process"], s["processes"], s["devices"]) for s in started] == [(0, 2, 2), (1, 2, 2)]
     metrics = step_group(group, 3, timeout=300)
     assert [m["updates"] for m in metrics[0]] == [1, 2, 3] and metrics[0][-1]["loss"] == metrics[1][-1]["loss"]
     # The reference holds two devices in one process: the same split, only the process boundary differs.
-    single, _ = start_trainer_group(lm_job, processes=1, local_devices=2, num_cpus=0.5)
+    single, _ = start_trainer_group(job, processes=1, local_devices=2, num_cpus=0.5)
     step_group(single, 3, timeout=300)
     reference = ray.get(single[0].snapshot.remote())
-    for actor in group:
-        for got, want in zip(jax_leaves(ray.get(actor.snapshot.remote())), jax_leaves(reference), strict=True):
-            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    # the snapshot gathers the shards (a collective of the group): process 0 returns the parameters, the others None
+    gathered = ray.get([actor.snapshot.remote() for actor in group])
+    assert gathered[1] is None
+    for got, want in zip(jax_leaves(gathered[0]), jax_leaves(reference), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     ray.get([actor.close.remote() for actor in group])
     for actor in [*group, *single]:
         ray.kill(actor)

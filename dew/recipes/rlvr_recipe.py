@@ -31,7 +31,7 @@ from dew.collection.scoring import score_completion
 from dew.collection.sources import EnvironmentSource, PromptSource
 from dew.collection.tasks import prompt_tasks
 from dew.records.session_records import SessionSource, Status, Task
-from dew.config import Config
+from dew.parallelism import MeshOptions
 from dew.data import Dataset, Loading, Prompts
 from dew.data.chat import ChatMessages, Role
 from dew.data.loading import Record
@@ -58,7 +58,7 @@ EVAL_SEED_OFFSET = 1_000_000  # held-out tasks come from their own stream of see
 DRAW_ATTEMPTS = 4  # a held-out draw whose server dies is drawn again, on another server of the pool
 
 
-class RLVRConfig(Config):
+class RLVRConfig(MeshOptions):
     """Options of the built-in RLVR run, checked when built (``dew.config``: named errors, TOML and overrides).
 
     steps: GRPO updates; seed: tasks, initialisation, SFT order and sampling seeds;
@@ -266,7 +266,7 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     if config.tasks_per_step % processes:
         raise ValueError(f"tasks_per_step={config.tasks_per_step} must divide over {processes} trainer processes")
     width = width or prompt_len + config.max_new_tokens  # one chain: the prompt, then the response(s)
-    objective = GRPOObjective(model, seq_len=width - 1, pretrained=params, behavior_importance=2.0,
+    objective = GRPOObjective(config.rematerialised(model), seq_len=width - 1, pretrained=params, behavior_importance=2.0,
                               max_token_lag=config.max_token_lag, stale_token_weight=config.stale_token_weight,
                               sampling_temperature=None if config.temperature == 1.0 else config.temperature)
     owned = source is None
@@ -301,7 +301,7 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     optimizer = skip_empty_updates(optax.chain(optax.clip_by_global_norm(config.clip),
                                                optax.adam(learning_rate_schedule(config))))
     trainer = Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
-                      rollout=rollout, progress=progress, output_dir=output_dir)
+                      rollout=rollout, progress=progress, output_dir=output_dir, parallelism=config.parallelism())
     return GRPOJob(trainer=trainer, data=scheduler.tasks(prompts), scheduler=scheduler, source=source,
                    records=records, entered=entered, tasks=tasks, sessions=sessions, lag_shares=shares,
                    owns_source=owned)

@@ -46,6 +46,7 @@ from dew.data.prompts import Prompts
 from dew.objectives.lm import LMObjective
 from dew.objectives.dpo import DPOObjective
 from dew.objectives.grpo import GRPOObjective
+from dew.parallelism import Parallelism
 from dew.sampling import Sampling
 from dew.trainer import Trainer, TrainState
 from dew.validation import distinct, integer, number, positive_int
@@ -176,10 +177,10 @@ def stage_objective(model, stage: Stage, start, decode: Callable | None = None, 
 
 def stage_trainer(model, optimizer, key, directory: Path, batch: int, stage: Stage, start, progress: bool = True,
                   decode: Callable | None = None, eos_id: int | None = None,
-                  trackers: tuple = ()) -> tuple[Trainer, Dataset]:
-    """The Trainer (fresh optimizer and step counter, checkpoints and ``trackers``' records in ``directory``) and
-    Dataset of one stage."""
+                  trackers: tuple = (), parallelism: Parallelism | None = None) -> tuple[Trainer, Dataset]:
+    """The Trainer (fresh optimizer and step counter, checkpoints and ``trackers``' records in ``directory``, on the
+    ``parallelism`` mesh) and Dataset of one stage."""
     objective, rollout = stage_objective(model, stage, start, decode, eos_id)
     trainer = Trainer(objective, optimizer, key=key, rollout=rollout, output_dir=directory, progress=progress,
-                      trackers=trackers)
+                      trackers=trackers, parallelism=parallelism)
     return trainer, stage.data.load(batch=batch)

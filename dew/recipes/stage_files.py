@@ -37,6 +37,7 @@ import optax
 from pydantic import Field
 
 from dew.config import Config
+from dew.parallelism import MeshOptions
 from dew.data.chat import ChatMessages
 from dew.data.preference_pairs import PreferencePairs
 from dew.data.prompts import Prompts
@@ -45,6 +46,7 @@ from dew.recipes.reward_routing import reward_function, verifiable_reward
 from dew.recipes.rlvr_recipe import SANDBOX_LIMITS, sandbox_runner
 from dew.recipes.run_inputs import DTYPES, model_tokenizer
 from dew.sandbox import SandboxFleet
+from dew.sharding import collective_host
 from dew.recipes.stage_chain import Stage, stage_trainer
 from dew.experiment_trackers import TrackerOptions
 from dew.sandbox.verifiable_rewards import MathReward
@@ -88,8 +90,8 @@ class StageSpec(StageOptions):
     kind: KIND
 
 
-class ModelOptions(Config):
-    """The model a run trains and how.
+class ModelOptions(MeshOptions):
+    """The model a run trains and how (and on which mesh: :class:`~dew.parallelism.MeshOptions`).
 
     model: the Hugging Face model directory; tokenizer: its tokenizer (default: the model
     directory's); dtype: what the model computes in ("bfloat16": bfloat16 products over float32
@@ -115,7 +117,8 @@ class ModelOptions(Config):
         """(model, variables) of the model directory, computing in ``dtype`` over float32 weights (``weights=False``:
         the variables are not read, None)."""
         pretrained = Pretrained.from_directory(self.model)
-        return pretrained.model(dtype=DTYPES[self.dtype]), pretrained.load() if weights else None
+        model = self.rematerialised(pretrained.model(dtype=DTYPES[self.dtype]))
+        return model, pretrained.load() if weights else None
 
 
 class StageRun(ModelOptions, StageOptions, TrackerOptions):
@@ -202,8 +205,8 @@ def run_stage(config: StageRun, kind: str, progress: bool = True) -> tuple[Train
     (output / "config.json").write_text(json.dumps({"kind": kind, **config.model_dump()}, indent=2))
     trainer, data = stage_trainer(model, config.optimizer(), jax.random.key(config.seed),
                                   output / kind, config.batch, stage, start, progress,
-                                  **(decoding(tokenizer) if kind == "grpo" else {}),
+                                  **(decoding(tokenizer) if kind == "grpo" else {}), parallelism=config.parallelism(),
                                   trackers=config.experiment_trackers(name=f"{output.name}-{kind}"))
     state = trainer.fit(data, steps=config.steps, log_every=config.log_every or max(1, config.steps // 10))
-    return state, export_policy(config.model, jax.tree.map(lambda x: x.addressable_data(0), state.params),
+    return state, export_policy(config.model, collective_host(state.params),
                                 output / "policy", tokenizer)

@@ -28,11 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 import ray
 
 from dew.data.dataset import Dataset
-from dew.sharding import initialize_processes
+from dew.sharding import collective_host, initialize_processes
 from dew.trainer import Trainer, TrainingRun, TrainState
 from dew.validation import positive_int
 
@@ -56,8 +55,8 @@ def _use_cpu_devices(count: int) -> None:
 
 
 def host_params(state: TrainState):
-    """The parameters as numpy arrays; on several processes, this process's replica of them."""
-    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state.params)
+    """The parameters as numpy arrays, gathered leaf by leaf: a collective when they are sharded over processes."""
+    return collective_host(state.params)
 
 
 class TrainerHost:
@@ -113,8 +112,13 @@ class TrainerHost:
         return out
 
     def snapshot(self):
-        """The current parameters in host memory (numpy), e.g. for publication or export."""
-        return host_params(self._started().state)
+        """The current parameters in host memory (numpy), e.g. for publication or export.
+
+        Every process of the group calls it (sharded parameters are gathered by a collective); process 0
+        returns them and the others None, so the object store holds one copy.
+        """
+        params = host_params(self._started().state)
+        return params if jax.process_index() == 0 else None
 
     def save(self) -> int:
         """Checkpoint the state and data position into the Trainer's output_dir; returns the step."""

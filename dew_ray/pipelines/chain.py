@@ -99,7 +99,7 @@ def stage_job(config: ChainConfig, index: int, run_dir: str, start: list | None)
     trainer, data = stage_trainer(model, config.optimizer(),
                                   jax.random.fold_in(jax.random.key(config.seed), index + 1),
                                   Path(run_dir) / spec.name, config.batch, stage, variables, False,
-                                  **(decoding(tokenizer) if spec.kind == "grpo" else {}))
+                                  **(decoding(tokenizer) if spec.kind == "grpo" else {}), parallelism=config.parallelism())
     return TrainJob(trainer, data)
 
 
@@ -170,8 +170,10 @@ class ChainPipeline:
                     done = rows[-1]["step"]
                     ray.get([actor.save.remote() for actor in actors])
                     progress(f"stage {spec.name}: step {done}/{spec.steps}, loss {rows[-1].get('loss', float('nan')):.4f}")
-                policy = actors[0].snapshot.remote()  # the object store holds it; the driver keeps the reference only
-                ray.wait([policy], fetch_local=False)  # made before the group ends (its CPUs then go to the export)
+                # every process gathers (a collective); process 0's copy goes to the object store, the driver keeps
+                # the reference only, made before the group ends (its CPUs then go to the export)
+                policy, *others = [actor.snapshot.remote() for actor in actors]
+                ray.wait([policy, *others], num_returns=len(actors), fetch_local=False)
             finally:
                 if writers is not None:
                     writers.close()

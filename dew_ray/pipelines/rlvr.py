@@ -356,7 +356,7 @@ class RLVRPipeline:
 
     def finish(self) -> dict:
         """Measure the final policy on the held-out tasks, export it, plot the run and write summary.json."""
-        params = ray.get(self.trainers[0].snapshot.remote())
+        params = ray.get([trainer.snapshot.remote() for trainer in self.trainers])[0]  # a collective of the group
         self.pool.load(params, self.step_count)
         after = self._measure()
         if self.held_out_curve[-1]["step"] != self.step_count:
