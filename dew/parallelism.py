@@ -127,6 +127,18 @@ def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
 
 
+def constrain_rows(x: jax.Array) -> jax.Array:
+    """``x`` with its rows split over the batch axes of the mesh being traced under (``jax.set_mesh``), else as is.
+
+    The decoder marks its hidden states so between layers: without the mark, XLA's sharding propagation may
+    follow an FSDP-split weight instead and keep every row's activations on every device.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not all(axis in mesh.axis_names for axis in BATCH_AXES):
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(BATCH_AXES))
+
+
 def batch_devices(mesh: Mesh) -> int:
     """How many ways batch rows are split on ``mesh``."""
     return math.prod(mesh.shape[axis] for axis in batch_axes(mesh))

@@ -204,7 +204,8 @@ class Trainer:
                              jax.eval_shape(self._state_from_key, self._key), self.plan.shardings)
         rows = row_sharded(self.mesh)
         batch = {name: jax.ShapeDtypeStruct(tuple(value.shape), value.dtype, sharding=rows) for name, value in batch.items()}
-        analysis = self._update.lower(state, batch).compile().memory_analysis()
+        with jax.set_mesh(self.mesh):
+            analysis = self._update.lower(state, batch).compile().memory_analysis()
         memory = {
             "arguments": int(analysis.argument_size_in_bytes),
             "outputs": int(analysis.output_size_in_bytes),
@@ -281,7 +282,8 @@ class Trainer:
             if batch is None:
                 return state.replace(step=state.step + 1), {}
         self._validate(batch, step)
-        state, metrics = self._update(state, shard_batch(batch, self.mesh))
+        with jax.set_mesh(self.mesh):  # the model marks its activations' rows on this mesh (constrain_rows)
+            state, metrics = self._update(state, shard_batch(batch, self.mesh))
         metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
         # A rollout that keeps its batch's figures (rewards, response lengths) has them logged with the update's.
         if self.rollout is not None and isinstance(getattr(self.rollout, "metrics", None), Mapping):

@@ -12,9 +12,11 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from conftest import ROOT, run_python
 from dew import Trainer, models
-from dew.config import ConfigError
+from dew.config import ConfigError, load_config
 from dew.objectives import LMObjective
-from dew.parallelism import MESH_AXES, Parallelism, plan_shardings
+from dew.recipes.stage_files import StageRun
+from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
+from dew.parallelism import MESH_AXES, MeshOptions, Parallelism, plan_shardings
 
 EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 TOLERANCE = 1e-6
@@ -59,13 +61,13 @@ def test_the_in_process_rollout_draws_the_same_ids_from_sharded_variables(sharde
 @pytest.mark.parametrize("objective", ["sft", "dpo"])
 def test_each_device_holds_its_share_of_parameters_and_optimizer_state(sharded, objective):
     """Bytes on device 0, read from the arrays' own shards: 1/N of the replicated run's, plus the leaves kept whole
-    (the norms' scales: 9 per decoder of 2 layers with QK-norm, in params, Adam's mu and nu, and the reference)."""
+    (the norms' scales: 5 per decoder of 1 layer with QK-norm, in params, Adam's mu and nu, and the reference)."""
     runs = sharded[objective]
     whole = runs["replicated"]["memory"]
     assert whole["undivided"] == []
     per_copy = {"sft": 3, "dpo": 4}[objective]  # params, mu, nu (and DPO's frozen reference)
-    assert len(whole["replicated"]) == 9 * per_copy
-    norm_bytes = (2 * (2 * 16 + 2 * 4) + 16) * 4  # per decoder copy: 2 layers x (2 norms of 16 + q/k norms of 4), final
+    assert len(whole["replicated"]) == 5 * per_copy
+    norm_bytes = (2 * 16 + 2 * 4 + 16) * 4  # per decoder copy: the layer's 2 norms of 16 and q/k norms of 4, the final
     whole_leaves = 3 * norm_bytes + 4  # in params, mu and nu; and Adam's int32 step count
     sharded_bytes = whole["params_and_optimizer"] - whole_leaves
     for name, ways in (("fsdp 8", 8), ("fsdp 4 x tensor 2", 8), ("data 2 x fsdp 4", 4)):
@@ -160,3 +162,44 @@ def test_step_memory_reads_xlas_analysis_without_allocating_the_state():
     assert memory["peak"] == memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
     assert memory["aliased"] >= 3 * parameters  # the state is donated: its outputs reuse its buffers
 
+
+
+@pytest.mark.slow
+def test_gathering_sharded_weights_for_publication_holds_one_copy_plus_one_leaf():
+    """collective_host (what SafetensorsReload, NCCLPush and the trainers' snapshots gather through) fetches an
+    FSDP-sharded tree leaf by leaf: the host's peak is the tree's bytes plus at most its largest leaf's."""
+    result = run_python("""
+import json, tracemalloc
+import jax, numpy as np
+from dew.parallelism import Parallelism, plan_shardings
+from dew.sharding import collective_host
+mesh = Parallelism(fsdp=8).mesh()
+shapes = {"embed_tokens": {"embedding": (4096, 256)}, "layers_0": {"mlp": {"up_proj": {"kernel": (256, 1024)}}},
+          "norm": {"scale": (256,)}, "lm_head": {"kernel": (256, 512)}}
+tree = jax.tree.map(lambda shape: np.ones(shape, np.float32), shapes, is_leaf=lambda x: isinstance(x, tuple))
+plan = plan_shardings(tree, mesh)
+sharded = jax.tree.map(jax.device_put, tree, plan.shardings)
+tracemalloc.start()
+host = collective_host(sharded)
+current, peak = tracemalloc.get_traced_memory()
+total = sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+largest = max(leaf.nbytes for leaf in jax.tree.leaves(tree))
+equal = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(tree)))
+print(json.dumps({"peak": peak, "total": total, "largest": largest, "equal": equal}))
+""", env=EIGHT_DEVICES)
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["equal"]
+    assert out["largest"] == 4096 * 256 * 4
+    assert out["total"] <= out["peak"] <= out["total"] + out["largest"] + 64 * 1024, out  # + 64 KiB of bookkeeping
+
+
+def test_pipeline_configs_take_the_mesh_and_remat_options():
+    config = load_config(RLVRPipelineConfig, None, ["fsdp=4", "tensor=2", "remat=full"])
+    assert config.parallelism() == Parallelism(fsdp=4, tensor=2)
+    assert config.rematerialised(tiny()).remat == "full"
+    assert StageRun(model="m", data="d.jsonl", steps=1, fsdp=2).parallelism() == Parallelism(fsdp=2)
+    with pytest.raises(ConfigError, match=r"cannot read 'all' as config field 'remat' \(one of 'none', 'full' or 'dots'\)"):
+        load_config(RLVRPipelineConfig, None, ["remat=all"])
+    with pytest.raises(ValueError, match="remat='dots' needs a decoder with layer rematerialisation .* SimpleDiT"):
+        MeshOptions(remat="dots").rematerialised(models.SimpleDiT(output_channels=1, patch_size=2, emb_features=8,
+                                                                   num_layers=1, num_heads=2, mlp_ratio=2))

@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dew.parallelism import constrain_rows
+
 MLP_ACTIVATIONS = ("swiglu", "gelu")
 # Rematerialisation of decoder layers in training (jax.checkpoint): what the backward pass keeps of each layer's
 # forward pass. "none" keeps everything; "full" keeps only each layer's input and recomputes the layer; "dots"
@@ -391,7 +393,7 @@ class CausalTransformer(nn.Module):
             self.vocab_size, self.emb_features, dtype=self.dtype, param_dtype=self.param_dtype,
             embedding_init=nn.initializers.normal(0.02), name="embed_tokens",
         )
-        x = embed(tokens)
+        x = constrain_rows(embed(tokens))
         if cache is None:
             mask, positions = self._packed_mask(batch, length, segment_ids, positions)
             write = None
@@ -414,7 +416,7 @@ class CausalTransformer(nn.Module):
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat])  # same names: the parameters do not change
         for layer in range(self.num_layers):
             layer_write = None if write is None else functools.partial(write, layer)
-            x = block(options, name=f"layers_{layer}")(x, rotation, mask, layer_write)
+            x = constrain_rows(block(options, name=f"layers_{layer}")(x, rotation, mask, layer_write))
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         x = nn.RMSNorm(epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
@@ -426,7 +428,7 @@ class CausalTransformer(nn.Module):
             logits = _product(self.dtype, self.matmul_dtype)(x, embed.embedding, (((x.ndim - 1,), (1,)), ((), ())))
         else:
             logits = _dense(self.vocab_size, "lm_head", False, self.dtype, self.param_dtype, self.matmul_dtype)(x)
-        logits = logits.astype(jnp.float32)
+        logits = constrain_rows(logits.astype(jnp.float32))
         if self.logit_softcap is not None:
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         if cache is None:

@@ -46,7 +46,7 @@ UPDATES = 5
 
 
 def decoder(max_seq_len):
-    return models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=2, num_heads=4,
+    return models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1, num_heads=4,
                         num_kv_heads=2, mlp_features=32, max_seq_len=max_seq_len, qk_norm=True)
 
 
