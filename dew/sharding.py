@@ -148,15 +148,29 @@ def raise_failures(everyone: list[dict], error: BaseException | None, what: str)
 
 
 def collective_host(tree):
-    """``tree`` in host memory on every process; sharded leaves are gathered (a collective)."""
+    """``tree`` in host memory on every process; sharded leaves are gathered (a collective).
+
+    Leaf by leaf, each written once into its host array: the host holds the copy being built plus
+    one shard, never a second copy (``np.asarray`` of a sharded array would also keep one cached
+    on the device array for as long as the array lives).
+    """
 
     def leaf(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            if x.is_fully_replicated:
-                # A copy: on CPU a host view of the buffer would change when the trainer donates it.
-                return np.array(x.addressable_data(0), copy=True)
+        if not isinstance(x, jax.Array):
+            return np.array(x, copy=True)
+        if x.is_fully_replicated:
+            # A copy: on CPU a host view of the buffer would change when the trainer donates it.
+            return np.array(x.addressable_data(0), copy=True)
+        if not x.is_fully_addressable:
             return multihost_utils.process_allgather(x, tiled=True)
-        return np.array(x, copy=True)
+        out = np.empty(x.shape, x.dtype)
+        written = set()
+        for shard in x.addressable_shards:
+            place = tuple((part.start, part.stop) for part in shard.index)
+            if place not in written:  # replicas of one block (tensor-parallel copies) are written once
+                written.add(place)
+                out[shard.index] = np.asarray(shard.data)
+        return out
 
     return jax.tree.map(leaf, tree)
 
