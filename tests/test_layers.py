@@ -14,8 +14,8 @@ from conftest import ROOT
 # Bottom to top; a room may import rooms of its own layer or of a lower one.
 LAYERS = [
     ["dew.validation", "dew.config"],
-    ["dew.experiment_trackers", "dew.tracking", "dew.models", "dew.sampling", "dew.data", "dew.sharding",
-     "dew.checkpoint", "dew.optimizers", "dew"],
+    ["dew.experiment_trackers", "dew.tracking", "dew.models", "dew.sampling", "dew.data", "dew.parallelism",
+     "dew.sharding", "dew.checkpoint", "dew.optimizers", "dew"],
     ["dew.losses"],  # pure math
     ["dew.records", "dew.flow", "dew.presets"],  # records and packing; the rectified-flow pieces
     ["dew.inference"],  # engines and publishers
