@@ -58,6 +58,11 @@ def test_the_in_process_rollout_draws_the_same_ids_from_sharded_variables(sharde
 
 
 @pytest.mark.slow
+def test_the_native_server_serves_sharded_variables_as_they_are(sharded):
+    assert sharded["server"] == {"same_ids": True, "requests": 4}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["sft", "dpo"])
 def test_each_device_holds_its_share_of_parameters_and_optimizer_state(sharded, objective):
     """Bytes on device 0, read from the arrays' own shards: 1/N of the replicated run's, plus the leaves kept whole

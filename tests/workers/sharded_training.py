@@ -25,6 +25,7 @@ import optax  # noqa: E402
 
 from dew import Trainer, models  # noqa: E402
 from dew.collection.sampled_rollout import SampledRollout  # noqa: E402
+from dew.inference import Server  # noqa: E402
 from dew.data.prompts import utf8_column  # noqa: E402
 from dew.objectives import LMObjective  # noqa: E402
 from dew.objectives.dpo import DPOObjective  # noqa: E402
@@ -187,6 +188,23 @@ def checkpoints():
             "next_losses": [v[-1] for v in values], "specs": shardings}
 
 
+def server():
+    """The native Server serves variables sharded fsdp 4 x tensor 2 as they are, drawing what host copies draw."""
+    model = decoder(32)
+    variables = Trainer(LMObjective(model, seq_len=12, ema_decay=None), optimizer(), key=jax.random.key(0),
+                        parallelism=Parallelism(fsdp=4, tensor=2), progress=False).initial_state().params
+    drawn = []
+    for served in (variables, jax.device_get(variables)):
+        engine = Server(model, served, Sampling(temperature=1.0, eos_id=1), slots=4, capacity=32)
+        for seed in range(4):
+            engine.submit([3, 4, 5, 6], 12, seed=seed)
+        finished = []
+        while engine.busy:
+            finished += engine.step()
+        drawn.append(sorted((f.request, list(f.ids)) for f in finished))
+    return {"same_ids": drawn[0] == drawn[1], "requests": len(drawn[0])}
+
+
 if __name__ == "__main__":
-    chosen = sys.argv[1:] or ["sft", "dpo", "grpo", "ppo", "flow_grpo", "checkpoints"]
+    chosen = sys.argv[1:] or ["sft", "dpo", "grpo", "ppo", "flow_grpo", "checkpoints", "server"]
     print(json.dumps({name: globals()[name]() for name in chosen}))
