@@ -161,13 +161,15 @@ def test_readme_python_blocks_run(capsys, vllm_engine):
     # vllm_engine: the vLLM block starts an engine of its own from the environment that fixture builds
     text = (ROOT / "README.md").read_text()
     blocks = [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]
-    assert len(blocks) == 2, "the README's python examples: the Trainer's and the vLLM one"
+    assert len(blocks) == 3, "the README's python examples: the Trainer's, sharded training's and the vLLM one"
     namespaces = []
     for block in blocks:
         namespaces.append({})
         exec(compile(block, "README.md", "exec"), namespaces[-1])
-    trained, engine = namespaces
+    trained, sharded, engine = namespaces
     assert int(trained["state"].updates) == 20
+    assert sharded["trainer"].mesh.shape["fsdp"] == 1  # this process's one device
+    assert "params/params/layers_0/input_layernorm/scale" in sharded["trainer"].plan.replicated
     assert len(engine["draw"].ids) == 8 and engine["draw"].version == 0 and engine["server"].version == 1
     assert max(engine["push"].published.values()) < 1e-5  # the push landed
 
