@@ -229,6 +229,12 @@ def _default_spec(name: str, shape: tuple[int, ...], mesh: Mesh, undivided: list
     return PartitionSpec(*(FSDP_AXIS if d == dim else None for d in range(len(shape))))
 
 
+def placed(shapes, shardings):
+    """Abstract arrays (``jax.ShapeDtypeStruct``) of ``shapes``' leaves, each with its sharding from ``shardings``."""
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                        shapes, shardings)
+
+
 def device_bytes(tree, device: jax.Device | None = None) -> int:
     """Bytes of ``tree``'s arrays held on ``device`` (default: the first local device), read from their shards."""
     device = device or jax.local_devices()[0]

@@ -49,7 +49,7 @@ from flax import struct
 from dew.checkpoint import Checkpoints
 from dew.data.dataset import Batch, Dataset, Partition, TrainStream
 from dew.objectives.base import Objective, Variables
-from dew.parallelism import Parallelism, ShardingPlan, plan_shardings
+from dew.parallelism import Parallelism, ShardingPlan, placed, plan_shardings
 from dew.sharding import (
     describe_error,
     exchange,
@@ -164,7 +164,8 @@ class Trainer:
         self._replicated = replicated(self.mesh)
         self._key = _as_key(key)
         #: where each leaf of the state lives (TrainState's tree of NamedShardings, and what the rules left whole)
-        self.plan: ShardingPlan = plan_shardings(jax.eval_shape(self._state_from_key, self._key), self.mesh)
+        self._state_shapes = jax.eval_shape(self._state_from_key, self._key)
+        self.plan: ShardingPlan = plan_shardings(self._state_shapes, self.mesh)
         self._update = jax.jit(self._update_fn, donate_argnums=0, out_shardings=(self.plan.shardings, self._replicated))
         self._evaluate = jax.jit(objective.evaluate)
         self._init = jax.jit(self._state_from_key, out_shardings=self.plan.shardings)
@@ -200,8 +201,7 @@ class Trainer:
         Returns arguments (state and batch), outputs, temporaries, aliased (outputs written over donated
         arguments) and peak = arguments + outputs + temporaries - aliased.
         """
-        state = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                             jax.eval_shape(self._state_from_key, self._key), self.plan.shardings)
+        state = placed(self._state_shapes, self.plan.shardings)
         rows = row_sharded(self.mesh)
         batch = {name: jax.ShapeDtypeStruct(tuple(value.shape), value.dtype, sharding=rows) for name, value in batch.items()}
         with jax.set_mesh(self.mesh):
@@ -357,8 +357,7 @@ class Trainer:
     def _restore_from(self, checkpoints: Checkpoints, step: int | None = None) -> tuple[TrainState, Any]:
         # The template takes this Trainer's plan, so a checkpoint written on another mesh restores onto this one.
         shapes = jax.eval_shape(lambda key: self._plain(self._state_from_key(key)), self._key)
-        template = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                                shapes, plan_shardings(shapes, self.mesh).shardings)
+        template = placed(shapes, plan_shardings(shapes, self.mesh).shardings)
         plain, position = checkpoints.restore(template, step)
         key = jax.random.wrap_key_data(plain.key, impl=jax.random.key_impl(self._key))
         return plain.replace(key=key), position
