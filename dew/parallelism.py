@@ -91,10 +91,6 @@ class Parallelism(Config):
         shape = self.shape(len(devices))
         return Mesh(np.array(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
-    def describe(self, devices: int) -> str:
-        data, fsdp, tensor = self.shape(devices)
-        return f"data {data} x fsdp {fsdp} x tensor {tensor}"
-
 
 class MeshOptions(Config):
     """The trainer's mesh and memory options of a pipeline's config (mixed into it).
