@@ -10,8 +10,8 @@ failed or refused load raises in the trainer naming the actor. Actors that loade
 one failed keep serving the new weights: the scheduler's next push loads them all again.
 With ``drop_dead=True`` an actor that has died is not a failure: it leaves the broadcast
 (its name is added to ``dropped``) and the others carry on; one that does not answer
-within ``timeout`` seconds (stopped, not dead) is set aside (its name is added to
-``aside``): later loads skip it until ``rejoin(name)``, which first loads it with the
+within ``timeout`` seconds (stopped, not dead), or that Ray is restarting, is set aside
+(its name is added to ``aside``): later loads skip it until ``rejoin(name)``, which first loads it with the
 newest weights published (the broadcast keeps that one object alive for this). With none
 left, ``load`` raises.
 
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from dew.inference import WeightPublisher
 
@@ -67,6 +67,11 @@ class WeightBroadcast(WeightPublisher):
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def published(self) -> bool:
+        """Whether this broadcast has published weights it can bring a rejoining actor to."""
+        return self._newest is not None
 
     def set_aside(self, name: str) -> None:
         """Leave ``name`` out of loads until ``rejoin(name)`` (its owner found it not answering)."""
@@ -114,6 +119,12 @@ class WeightBroadcast(WeightPublisher):
                 continue
             try:
                 served = ray.get(ref)
+            except ActorUnavailableError as error:  # Ray restarts it: it rejoins once it answers
+                if self.drop_dead:
+                    self.set_aside(name)
+                else:
+                    failures.append((index, name, error))
+                continue
             except RayActorError as error:
                 (dead if self.drop_dead else failures).append((index, name, error))
                 continue

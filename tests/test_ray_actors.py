@@ -156,7 +156,7 @@ class Unanswering:
     async def draw(self, key, prompt_ids, max_new_tokens, seed):
         raise RuntimeError("the engine lost its device")
 
-    async def version(self):
+    async def serving(self):
         await asyncio.sleep(3600)
 
     async def cancel(self, key):
@@ -294,6 +294,68 @@ def test_a_stopped_rollout_server_is_set_aside_and_rejoins(cluster, serving, sha
     pool.close()
     for server in pool.servers:
         ray.kill(server.actor)
+
+
+def _wait_until(condition, within: float = 60.0) -> bool:
+    deadline = time.monotonic() + within
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return condition()
+
+
+def test_a_restarted_rollout_server_loads_the_current_weights_before_it_draws(cluster, serving, sharp_decoder):
+    """SIGKILLs the process of one of two RolloutServerActors started with max_restarts (its node lost, as Ray sees
+    it): its draws fail as ServerRestarted and go to the other; Ray runs its constructor again, and the new
+    incarnation (serving the weights it was created with, version 0) refuses draws until the trainer's pool loads
+    it with version 1. A pool that never published (the driver's) leaves it aside until then."""
+    pool = start_rollout_servers(serving, count=2, slots=2, capacity=64, version=0, num_cpus=0.5, timeout=5,
+                                 max_restarts=1)
+    driver = ServerPool([RemoteRolloutServer(s.actor, s.name, version=0) for s in pool.servers], timeout=5)
+    pool.load(sharp_decoder[1], 1)
+    lost = pool.servers[0]
+    pid = ray.get(lost.actor.__ray_call__.remote(lambda host: os.getpid()))
+    os.kill(pid, signal.SIGKILL)
+    outcomes = []
+    for seed in range(8):  # a caller draws again the draws that fail, as the scheduler does
+        try:
+            outcomes.append(pool.submit([20, 21], 6, seed=seed).result(60))
+        except ServerDied as error:
+            assert "restart" in str(error), error
+            outcomes.append(pool.submit([20, 21], 6, seed=seed).result(60))
+    assert all(d.version == 1 for d in outcomes)  # none drawn on the restarted server's version-0 weights
+    assert _wait_until(lambda: pool.live() == [0, 1]), (pool.live(), pool.aside(), pool.dead())
+    assert tuple(ray.get(lost.actor.serving.remote())) == (1, False)
+    assert ray.get(lost.actor.__ray_call__.remote(lambda host: os.getpid())) != pid  # a new incarnation
+    for seed in range(4):  # the driver's pool found it at a draw, or finds it now, and takes it back once loaded
+        try:
+            assert driver.submit([20, 21], 4, seed=seed).result(60).version == 1
+        except ServerDied:
+            pass
+    assert _wait_until(lambda: driver.live() == [0, 1], within=30), (driver.live(), driver.aside())
+    pool.load(sharp_decoder[1], 2)
+    assert all(d.version == 2 for d in [driver.submit([20, 21], 4, seed=s).result(60) for s in range(4)])
+    for each in (pool, driver):
+        each.close()
+    for server in pool.servers:
+        ray.kill(server.actor)
+
+
+def test_a_restarted_sandbox_runner_takes_programs_again(cluster):
+    actors = start_sandbox_runners(2, ProcessRunner(), SandboxLimits(wall_seconds=20), workers=2, num_cpus=0.25,
+                                   max_restarts=1)
+    fleet = RemoteFleet(actors, workers=2)
+    pid = ray.get(actors[0].__ray_call__.remote(lambda host: os.getpid()))  # asked before its workers are busy
+    slow = [fleet.submit(Program(files={"main.py": "import time; time.sleep(1.5); print('done')"},
+                                 argv=["python3", "main.py"])) for _ in range(4)]
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    assert [f.result(60).stdout.strip() for f in slow] == ["done"] * 4  # the lost runner's two ran again
+    assert fleet.reruns == 2
+    assert _wait_until(lambda: fleet.live == 2), fleet.replicas.aside()  # back, as a new incarnation
+    echo = [Program(files={"main.py": f"print({i})"}, argv=["python3", "main.py"]) for i in range(8)]
+    assert [o.stdout.strip() for o in fleet.map(echo)] == [str(i) for i in range(8)]
+    for actor in actors:
+        ray.kill(actor)
 
 
 def test_environment_workers_run_sessions_and_the_scheduler_trains_through_them(cluster, serving, sharp_decoder):

@@ -8,8 +8,9 @@ the pool does the rest, the same way for all of them:
 
 - **choice by load**: :meth:`~ReplicaPool.take` gives the live replica with the fewest pieces in
   flight a :class:`Ticket`; :meth:`~ReplicaPool.release` ends it, whatever the outcome. When no
-  replica is live but some are set aside, ``take`` waits up to ``timeout`` for one to come back,
-  then raises naming how many died and how many stopped answering.
+  replica is live but some are set aside, ``take`` waits up to ``wait`` seconds (default
+  ``timeout``) for one to come back, then raises naming how many died and how many stopped
+  answering.
 - **liveness**: a replica is dead for good when a piece ends with ``died=True``, when its own
   word says so (``died(index)``, read at every choice, so a replica that fails at once is never
   the least busy one for long), or when ``probe`` raises
@@ -48,6 +49,7 @@ from dew.validation import distinct, positive
 logger = logging.getLogger(__name__)
 
 CHECK_TIMEOUT = 30.0  # seconds a failed piece's liveness check waits for its replica's answer
+PROBE_PAUSE = 0.5  # seconds between probes of a replica set aside that answered "not now" at once
 
 
 @dataclasses.dataclass(eq=False)
@@ -68,13 +70,14 @@ class ReplicaPool:
     replica and its pieces ("rollout server", "draws"); timeout: seconds of silence before a
     replica is probed and set aside (None: never); probe(index, timeout): what the replica
     serves, None when it answered nothing within ``timeout``, ServerDied when it is gone;
-    rejoin(index, served) -> bool; on_aside(index); died(index) -> bool.
+    rejoin(index, served) -> bool; on_aside(index); died(index) -> bool; wait: seconds ``take``
+    waits for a replica set aside to come back when none is live (None: ``timeout``).
     """
 
     def __init__(self, names: Sequence[str], *, what: str = "replica", work: str = "pieces",
                  timeout: float | None = None, probe: Callable[[int, float], object] | None = None,
                  rejoin: Callable[[int, object], bool] | None = None, on_aside: Callable[[int], None] | None = None,
-                 died: Callable[[int], bool] | None = None):
+                 died: Callable[[int], bool] | None = None, wait: float | None = None):
         self.names = [str(name) for name in names]
         if not self.names:
             raise ValueError(f"a pool of {what}s needs at least one")
@@ -84,6 +87,7 @@ class ReplicaPool:
             if probe is None:
                 raise ValueError(f"a timeout sets silent {what}s aside, which needs a probe to find them answering")
         self.what, self.work, self.timeout = what, work, timeout
+        self.wait = timeout if wait is None else wait
         self._probe, self._rejoin, self._on_aside, self._died = probe, rejoin, on_aside, died
         count = len(self.names)
         self._pending: list[set[Ticket]] = [set() for _ in range(count)]
@@ -133,13 +137,14 @@ class ReplicaPool:
     def take(self) -> Ticket:
         """A ticket on the least busy live replica (see the module docstring for when none is live)."""
         ticket = self._take()
-        if ticket is None and self.timeout is not None and self.aside():  # one may answer again soon
-            until = time.monotonic() + self.timeout
+        if ticket is None and self.wait is not None and self.aside():  # one may answer again soon
+            until = time.monotonic() + self.wait
             while (ticket := self._take()) is None and self.aside() and time.monotonic() < until:
                 time.sleep(0.05)
         if ticket is None:
+            waited = f" (waited {self.wait:g} s for one to come back)" if self.wait is not None and self.aside() else ""
             raise RuntimeError(f"no {self.what} of the pool takes {self.work}: of {len(self.names)} started, "
-                               f"{len(self.dead())} died and {len(self.aside())} stopped answering")
+                               f"{len(self.dead())} died and {len(self.aside())} stopped answering{waited}")
         return ticket
 
     def _take(self) -> Ticket | None:
@@ -287,6 +292,8 @@ class ReplicaPool:
                     silent = index in self._aside
                 if served is not None and not silent:
                     return
+                if served is None and silent:  # a replica being restarted refuses at once: ask again shortly
+                    self._closed.wait(PROBE_PAUSE)
                 if served is not None:
                     if self._rejoined(index, served):
                         with self._lock:

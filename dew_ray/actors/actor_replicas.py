@@ -3,8 +3,12 @@
 ``ActorReplicas(actors, what, work)`` is the pool of RemoteEnvironmentSource's environment
 workers and RemoteFleet's sandbox runners: ``call(start)`` runs ``start(index, actor)``
 (a Ray call returning an ObjectRef) on the least busy live actor and returns the actor's
-index and a Future of the call's result; a call that fails with Ray's ``RayActorError``
-marks its actor dead, so no later call goes to it.
+index and a Future of the call's result; a call that fails with Ray's ``ActorDiedError``
+marks its actor dead, so no later call goes to it. An actor started with ``max_restarts``
+whose process or node was lost fails its calls with ``ActorUnavailableError`` while Ray
+restarts it: it is set aside (its calls go to the others) and probed until its new
+incarnation answers, then takes calls again. With every actor set aside, a call waits up to
+``wait`` seconds for one to come back before it fails.
 """
 
 from __future__ import annotations
@@ -12,17 +16,32 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from ray.exceptions import RayActorError
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from dew.inference.replica_pool import ReplicaPool
+from dew.inference.rollout_server import ServerDied
+
+RESTART_WAIT = 300.0  # seconds a call waits for a restarting actor when every actor of the pool is away
 
 
 class ActorReplicas(ReplicaPool):
     """Ray actors as the replicas of a pool (see the module docstring)."""
 
-    def __init__(self, actors: Sequence, what: str, work: str):
+    def __init__(self, actors: Sequence, what: str, work: str, wait: float = RESTART_WAIT):
         self.actors = list(actors)
-        super().__init__([f"{what} {i}" for i in range(len(self.actors))], what=what, work=work)
+        super().__init__([f"{what} {i}" for i in range(len(self.actors))], what=what, work=work, probe=self._ready,
+                         wait=wait)
+
+    def _ready(self, index: int, timeout: float | None) -> bool | None:
+        """True once actor ``index`` answers; None while it is silent or restarting; ServerDied once it is dead."""
+        try:
+            ray.get(self.actors[index].__ray_ready__.remote(), timeout=timeout)
+        except (ActorUnavailableError, GetTimeoutError):
+            return None
+        except RayActorError as error:
+            raise ServerDied(f"{self.names[index]} has died: {error}") from error
+        return True
 
     def call(self, start: Callable[[int, object], object]) -> tuple[int, Future]:
         """``start(index, actor)`` on the least busy live actor: (index, a Future of the call's result)."""
@@ -31,7 +50,10 @@ class ActorReplicas(ReplicaPool):
 
         def done(reply: Future) -> None:
             error = reply.exception()
-            self.release(ticket, died=isinstance(error, RayActorError))
+            # a bare RayActorError (no restart coming) is a death too
+            self.release(ticket, died=isinstance(error, RayActorError) and not isinstance(error, ActorUnavailableError))
+            if isinstance(error, ActorUnavailableError):
+                self.set_aside(ticket.replica, "its process was lost and Ray is restarting it")
             if error is None:
                 result.set_result(reply.result())
             else:

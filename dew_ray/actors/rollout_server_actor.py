@@ -23,12 +23,15 @@ answers and serves the pool's weights.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from typing import NamedTuple
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from dew.inference import (
     Draw,
@@ -48,16 +51,41 @@ from dew_ray.weight_broadcast import WeightBroadcast
 from dew.validation import positive_int
 
 
+class ServerRestarted(ServerDied):
+    """A draw reached a rollout server that Ray is restarting, or that restarted and has not loaded the current
+    weights yet; the same draw can be submitted again elsewhere, and the server rejoins once it has loaded them."""
+
+
+class Serving(NamedTuple):
+    """What a rollout server answers a probe: the version it serves, and whether it restarted and waits for a load."""
+
+    version: int
+    stale: bool = False
+
+
+def restarted_actor() -> bool:
+    """Whether this process is a Ray actor whose constructor Ray is running again after a loss."""
+    if not ray.is_initialized():
+        return False
+    context = ray.get_runtime_context()
+    return context.get_actor_id() is not None and context.was_current_actor_reconstructed
+
+
 class RolloutServerHost:
     """A NativeRolloutServer in its own process; ``RolloutServerActor`` is this class as a Ray actor.
 
     ``http=True`` also starts the OpenAI-compatible front on ``host`` (loopback by
     default); ``url()`` returns its address. ``landing``: a LandingCheck every load must pass
     (a WeightBroadcast to these actors then fails naming the actor whose copy does not match).
+    ``pushed``: whether the weights it serves are pushed to it during the run; a host of pushed
+    weights that Ray restarted holds stale ones and refuses draws until its next load (a
+    judge's never change, so a restarted judge serves at once).
     """
 
     def __init__(self, task: ServingTask, slots: int, capacity: int, lanes: int = 1, version: int = 0,
-                 http: bool = False, tokenizer=None, host: str = "127.0.0.1", landing: LandingCheck | None = None):
+                 http: bool = False, tokenizer=None, host: str = "127.0.0.1", landing: LandingCheck | None = None,
+                 pushed: bool = True):
+        self.stale = pushed and restarted_actor()
         self.rollout = NativeRolloutServer(Server.from_task(task, slots=slots, capacity=capacity, lanes=lanes),
                                            version=version, landing=landing)
         self._draws = KeyedCalls(self.rollout.cancel)
@@ -70,6 +98,9 @@ class RolloutServerHost:
 
     async def draw(self, key: str, prompt_ids: Sequence[int], max_new_tokens: int, seed: int) -> Draw:
         """Submit one draw and wait for it; ``key`` is the caller's name for it (see ``cancel``)."""
+        if self.stale:
+            raise ServerRestarted(f"this rollout server restarted and serves version {self.rollout.version}, not the "
+                                  "run's current weights, until a load reaches it")
         return await self._draws.run(
             key, lambda: self.rollout.submit(prompt_ids, max_new_tokens, seed),
             lambda: Draw([], [], [], eos=False, version=self.rollout.version, finish_reason="cancelled"))
@@ -81,10 +112,15 @@ class RolloutServerHost:
     async def load(self, variables, version: int) -> int:
         """Serve ``variables`` from the next decode step on; returns the version now served."""
         await asyncio.get_running_loop().run_in_executor(self._loads, self.rollout.load, variables, version)
+        self.stale = False
         return self.rollout.version
 
     async def version(self) -> int:
         return self.rollout.version
+
+    async def serving(self) -> Serving:
+        """The version served, and whether this host restarted and refuses draws until a load (``stale``)."""
+        return Serving(self.rollout.version, self.stale)
 
     async def url(self) -> str | None:
         return None if self.front is None else self.front.url
@@ -111,6 +147,8 @@ class RemoteRolloutServer(RolloutServer):
     ``died`` turns true when Ray reports the actor dead (a draw or a probe that failed with
     ``ActorDiedError``), before that draw's future is set: a caller that draws again at once
     must not land on it, and a dead server, failing its draws at once, is always the least busy.
+    ``on_restart(why)``, when set (a pool sets it), is called just as early for a draw that
+    found the actor restarting or restarted and not yet loaded.
     """
 
     def __init__(self, actor, name: str = "rollout server", version: int | None = None,
@@ -121,6 +159,7 @@ class RemoteRolloutServer(RolloutServer):
             publisher = WeightBroadcast([actor], [name], version=served)
         self.publisher = publisher
         self.died = False
+        self.on_restart = None  # a pool's: called with why, when a draw finds the actor restarting or restarted
 
     @property
     def version(self) -> int:
@@ -135,10 +174,17 @@ class RemoteRolloutServer(RolloutServer):
 
     def _settle(self, future: DrawFuture, done: Future) -> None:
         error = done.exception()
-        if isinstance(error, RayActorError):
-            if isinstance(error, ActorDiedError):  # unavailable for now is not dead
+        if isinstance(error, ActorUnavailableError):  # its process was lost and Ray restarts it: not dead
+            error = ServerRestarted(f"{self.name} is being restarted by Ray: {error}")
+        elif isinstance(error, RayActorError):
+            if isinstance(error, ActorDiedError):
                 self.died = True
             error = ServerDied(f"{self.name} died during a draw: {error}")
+        elif isinstance(error, ServerRestarted):  # the actor's own refusal, wrapped in Ray's RayTaskError
+            error = ServerRestarted(f"{self.name} restarted and has not loaded the current weights yet")
+        if isinstance(error, ServerRestarted) and self.on_restart is not None:
+            # before the future is set, as ``died``: a caller that draws again at once must not land here
+            self.on_restart(str(error))
         settle(future, None if error is not None else done.result(), error)
 
     def cancel(self, draw: DrawFuture) -> None:
@@ -147,20 +193,21 @@ class RemoteRolloutServer(RolloutServer):
     def load(self, variables, version: int) -> None:
         self.publisher.load(variables, version)
 
-    def probe(self, timeout: float | None) -> int | None:
-        """The version the actor serves, None when it does not answer within ``timeout`` s; ServerDied when dead.
+    def probe(self, timeout: float | None) -> Serving | None:
+        """What the actor serves (:class:`Serving`), None when it does not answer within ``timeout`` s or Ray is
+        restarting it; ServerDied when dead.
 
         A blocking Ray call: never call it holding a lock others need.
         """
         try:
-            served = ray.get(self.actor.version.remote(), timeout=timeout)
+            version, stale = ray.get(self.actor.serving.remote(), timeout=timeout)
+        except (ActorUnavailableError, GetTimeoutError):
+            return None
         except RayActorError as error:
             if isinstance(error, ActorDiedError):
                 self.died = True
             raise ServerDied(f"{self.name} has died: {error}") from error
-        except GetTimeoutError:
-            return None
-        return int(served)
+        return Serving(int(version), bool(stale))
 
     def alive(self, timeout: float = 30.0) -> bool:
         """Whether the actor lives (one that is slow to answer counts as alive); see ``probe``."""
@@ -186,7 +233,9 @@ class ServerPool(PooledRolloutServer):
     :class:`~dew.inference.ServerDied` (callers draw them again, on the others), no draw
     goes to it, and weight loads skip it (a load it does not answer within ``timeout`` sets
     it aside as well). It is probed again until it answers; then it loads the pool's newest
-    weights (:meth:`WeightBroadcast.rejoin`) and takes draws again.
+    weights (:meth:`WeightBroadcast.rejoin`) and takes draws again. A server Ray is restarting,
+    or one that restarted and refuses draws until it loads, is set aside at its first failed
+    draw and rejoins the same way (see the module docstring).
     """
 
     def __init__(self, servers: Sequence[RemoteRolloutServer], timeout: float | None = None):
@@ -197,19 +246,27 @@ class ServerPool(PooledRolloutServer):
         self.replicas = ReplicaPool(
             names, what="rollout server", work="draws", timeout=timeout,
             probe=lambda i, wait: self.servers[i].probe(wait),
-            rejoin=lambda i, served: self.publisher.rejoin(self.servers[i].name, served),
+            rejoin=self._rejoin,
             on_aside=lambda i: self.publisher.set_aside(self.servers[i].name),
             died=lambda i: self.servers[i].died)
         self.publisher = WeightBroadcast([s.actor for s in self.servers], names,
                                          version=min(server.version for server in self.servers), drop_dead=True,
                                          **({} if timeout is None else {"timeout": timeout}))
-        for server in self.servers:
+        for index, server in enumerate(self.servers):
             server.publisher = self.publisher
+            server.on_restart = functools.partial(self.replicas.set_aside, index)
         self.start_draws()
 
     @property
     def version(self) -> int:
         return self.publisher.version
+
+    def _rejoin(self, index: int, served: Serving) -> bool:
+        """Bring a server that answers again to the newest weights (a restarted one only from a pool that has
+        published: the driver's pool leaves it aside until a trainer's has loaded it)."""
+        if served.stale and not self.publisher.published:
+            return False
+        return self.publisher.rejoin(self.servers[index].name, None if served.stale else served.version)
 
     def _abandon(self, server: RemoteRolloutServer, future: DrawFuture, error: BaseException) -> None:
         server.cancel(future)  # the actor drops the draw when it answers again
@@ -231,14 +288,17 @@ class ServerPool(PooledRolloutServer):
 
 def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: int, lanes: int = 1,
                           version: int = 0, http: bool = False, num_cpus: float = 1, placement=None,
-                          timeout: float | None = None, **options) -> ServerPool:
+                          timeout: float | None = None, pushed: bool = True, **options) -> ServerPool:
     """``count`` RolloutServerActors serving ``task``, behind one :class:`ServerPool`.
 
     ``placement(i)``, when given, returns actor i's options (its CPUs and placement-group bundle);
-    ``timeout``: the pool's (how long a silent server is waited for before it is set aside).
+    ``timeout``: the pool's (how long a silent server is waited for before it is set aside);
+    ``pushed``: RolloutServerHost's; ``options`` go to Ray (``max_restarts``: how often Ray
+    brings a lost server back).
     """
     positive_int("count", count)
     actors = [RolloutServerActor.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **options)
-              .remote(task, slots, capacity, lanes=lanes, version=version, http=http) for i in range(count)]
+              .remote(task, slots, capacity, lanes=lanes, version=version, http=http, pushed=pushed)
+              for i in range(count)]
     return ServerPool([RemoteRolloutServer(actor, f"rollout server {i}") for i, actor in enumerate(actors)],
                       timeout=timeout)

@@ -7,15 +7,15 @@ process (create it with ``max_concurrency`` at least its ``workers``, which
 does on a local fleet. The program goes to the live actor with the fewest programs in
 flight (a :class:`~dew.inference.replica_pool.ReplicaPool`); ``submit`` blocks once every actor's workers are busy and ``queued`` more are
 waiting (backpressure, as the local fleet). A program whose actor dies runs again on
-another actor, up to ``retries`` times; a program's own failure is an Outcome, never
-retried.
+another actor, up to ``retries`` times (an actor Ray restarts takes programs again once its
+new incarnation answers); a program's own failure is an Outcome, never retried.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
 from ray.exceptions import RayActorError
@@ -65,6 +65,7 @@ class RemoteFleet:
         self._slots = threading.Semaphore(workers * len(self.actors) + queued)
         self._lock = threading.Lock()
         self.replicas = ActorReplicas(self.actors, "sandbox runner", "programs")
+        self._reruns = ThreadPoolExecutor(2, thread_name_prefix="dew-fleet-rerun")
         self.reruns = 0  # programs run again because their actor died
 
     def submit(self, program: Program) -> Future:
@@ -93,13 +94,18 @@ class RemoteFleet:
             if attempt < self.retries:
                 with self._lock:
                     self.reruns += 1
-                try:
-                    self._start(program, future, attempt + 1)
-                except BaseException as failure:  # no live actor left
-                    future.set_exception(failure)
+                # on a thread of the fleet's: the choice may wait for a restarting runner, which must not hold
+                # up the thread that settles Ray's replies
+                self._reruns.submit(self._rerun, program, future, attempt + 1)
                 return
             error = RuntimeError(f"sandbox runner {index} died and the program's {self.retries} retries are spent")
         future.set_exception(error)
+
+    def _rerun(self, program: Program, future: Future, attempt: int) -> None:
+        try:
+            self._start(program, future, attempt)
+        except BaseException as failure:  # no runner came back in time
+            future.set_exception(failure)
 
     def run(self, program: Program) -> Outcome:
         return self.submit(program).result()
