@@ -18,16 +18,17 @@ one fault at a time into the live pipeline (its actors carry names, ``RolePlacem
 
 Faults start once a driver has trained an update (a driver's start, the actors' and the
 restore, is spared), and kills leave at least one actor of each role alive in each
-driver's lifetime (actors are not restarted; the pool and the fleet work on without the
-dead). A poller asks every live
-rollout server its policy version throughout. After the run:
+driver's lifetime (a ``ray.kill`` is for good; a SIGKILLed server process is restarted by
+Ray and rejoins once loaded). A poller asks every live rollout server what it serves
+throughout (a restarted one serves nothing until it has loaded). After the run:
 
 - finished: summary.json reports every update, and the driver's last run exited 0;
 - whole groups: every update's admitted rollouts (verl_rows, every process's) hold each
   of its groups whole, ``samples`` rollouts numbered 0..samples-1;
 - trained once: no (task, group, sample) appears in two updates of the final lineage, and
   none is missing (``tasks_per_step`` groups per update, metrics.jsonl's tasks exactly);
-- versions: no server's polled policy version ever went down;
+- versions: no server's polled policy version ever went down (a restarted server's first
+  version served is the one it was loaded with);
 - checkpoint: the final checkpoint's parameters equal the exported policy's bit for bit,
   and a resumed driver said which update it resumed at, one its checkpoints held;
 - sandbox: no program the injector killed was reported COMPLETED (checked by
@@ -192,10 +193,11 @@ class Injector:
                 continue
             for name, namespace in servers:
                 try:
-                    version = ray.get(self._handle(name, namespace).version.remote(), timeout=2)
-                except Exception:  # noqa: BLE001 - killed or stopped: nothing to observe this round
+                    version, stale = ray.get(self._handle(name, namespace).serving.remote(), timeout=2)
+                except Exception:  # noqa: BLE001 - killed, stopped or restarting: nothing to observe this round
                     continue
-                self.versions.setdefault(name, []).append(int(version))
+                if not stale:  # a restarted server serves nothing until it has loaded the current weights
+                    self.versions.setdefault(name, []).append(int(version))
 
     def inject(self, wanted: str | None = None) -> str | None:
         """One seeded fault into a live actor (of kind ``wanted`` if given); returns its kind (None when no fault
@@ -221,6 +223,7 @@ class Injector:
             pid = self._pid(name, namespace)
             if pid is None or not signal_process(pid, signal.SIGKILL):
                 return None
+            self._pids.pop(name, None)  # Ray restarts it in a new process
             self._killed[(incarnation, role)] += 1
         elif kind.startswith("SIGSTOP rollout server"):
             past = self.server_timeout if kind.endswith("past its timeout") else None

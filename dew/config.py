@@ -109,9 +109,13 @@ def _override(kind: type[Config], item: str) -> tuple[str, Any]:
                 return name, adapter.validate_json(text, strict=False)
             return name, adapter.validate_python([part.strip() for part in text.split(",") if part.strip()],
                                                  strict=False)
+        if get_origin(field.annotation) is dict:  # a JSON object: server_resources={"rollout": 1}
+            return name, adapter.validate_json(text, strict=False)
         return name, adapter.validate_python(text, strict=False)
     except ValidationError as error:
-        expected = _expected(error.errors(include_url=False)[0], field.annotation)
+        first = error.errors(include_url=False)[0]
+        expected = ('a JSON object, such as {"name": 1}' if first["type"] == "json_invalid"
+                    else _expected(first, field.annotation))
         raise ConfigError(f"cannot read {text!r} as config field {name!r} ({expected})") from None
 
 

@@ -1,60 +1,117 @@
-"""Where a pipeline's actors run: one placement group per run, one bundle per actor.
+"""Where a pipeline's actors run: one placement group per role, one bundle per actor, reserved together.
 
-``RolePlacement({"trainer": (count, cpus), "rollout server": (count, cpus), ...})``
-reserves every role's CPUs at once (a ``PACK`` placement group: on one node when it
-fits, spread over nodes when not), so a run either gets all its actors or waits and
-fails with the roles named, instead of starting half of them. ``options(role, index)``
-gives the scheduling options for an actor of that role in its own bundle, and, for a
-named placement, the actor's name: ``<name>-<6 hex>/<role>-<index>`` (the dashboard's
-actor list shows it; the hex keeps two runs of one name apart). The CPUs per
-role come from the pipeline config, and so do the GPUs of the roles that ask for them
-(``trainer_gpus``, ``server_gpus``).
+``RolePlacement({"trainer": Role(1, 1.0), "rollout server": Role(2, 1.0, strategy="spread",
+resources={"rollout": 1}), ...})`` reserves every role's bundles at once, so a run either gets
+all its actors or waits and fails with the roles it could not place named, instead of
+starting half of them. Each role is its own placement group: ``strategy`` "pack" (Ray's
+``PACK``: on as few nodes as fit) or "spread" (``SPREAD``: over as many nodes as there are,
+so a lost node takes as few of the role's actors as it can); ``resources`` are node
+resources every bundle of the role asks for, the way a user labels nodes (``ray start
+--resources='{"rollout": 4}'``, a custom resource naming the pool a node belongs to): a
+role with ``{"rollout": 1}`` runs only on nodes that offer it, one unit per actor.
+
+``options(role, index)`` gives the scheduling options for an actor of that role in its own
+bundle, and, for a named placement, the actor's name: ``<name>-<6 hex>/<role>-<index>`` (the
+dashboard's actor list shows it; the hex keeps two runs of one name apart). ``where()`` says
+on which node each bundle stands now (a bundle whose node was lost moves to a node with
+room once Ray finds one, and a restarted actor follows its bundle).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Mapping
+from typing import Literal
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}  # a role's strategy, as Ray's placement groups spell it
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """How many actors a role has and what each reserves (CPUs, GPUs, node resources), and how they are placed."""
+
+    count: int
+    cpus: float
+    gpus: float = 0.0
+    strategy: Literal["pack", "spread"] = "pack"
+    resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": float(self.cpus), **({"GPU": float(self.gpus)} if self.gpus else {}),
+                **{name: float(amount) for name, amount in self.resources.items()}}
+
+    def describe(self) -> str:
+        asks = f"{self.count} x {self.cpus:g} CPU" + (f" + {self.gpus:g} GPU" if self.gpus else "")
+        asks += "".join(f" + {amount:g} {name}" for name, amount in self.resources.items())
+        return f"{asks}, {self.strategy}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where one actor's bundle stands: its role and index, the node's id and address."""
+
+    role: str
+    index: int
+    node: str
+    address: str
+
+    def describe(self) -> str:
+        return f"{self.role} {self.index} on node {self.node[:8]} ({self.address})"
 
 
 class RolePlacement:
-    """One placement group holding a bundle of CPUs (and GPUs, for roles that ask) for every actor of every role.
+    """A placement group per role, every role's bundles reserved together (see the module docstring)."""
 
-    ``roles`` maps a role to ``(count, cpus)`` or ``(count, cpus, gpus)``.
-    """
-
-    def __init__(self, roles: Mapping[str, tuple], timeout: float = 300.0, name: str | None = None):
-        self.first: dict[str, int] = {}
-        self.roles = {role: (spec[0], spec[1], spec[2] if len(spec) > 2 else 0.0) for role, spec in roles.items()}
-        bundles = []
-        for role, (count, cpus, gpus) in self.roles.items():
-            if count < 1 or cpus <= 0 or gpus < 0:
-                raise ValueError(f"role {role!r} needs at least one actor, a positive CPU count and no negative GPU "
-                                 f"count, got {count}, {cpus}, {gpus}")
-            self.first[role] = len(bundles)
-            bundles += [{"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})} for _ in range(count)]
-        self.group = placement_group(bundles, strategy="PACK", name=name or "")
+    def __init__(self, roles: Mapping[str, Role], timeout: float = 300.0, name: str | None = None):
+        self.roles = dict(roles)
+        for role, spec in self.roles.items():
+            if spec.count < 1 or spec.cpus <= 0 or spec.gpus < 0 or any(v <= 0 for v in spec.resources.values()):
+                raise ValueError(f"role {role!r} needs at least one actor, a positive CPU count, no negative GPU "
+                                 f"count and positive node resources, got {spec}")
+            if spec.strategy not in STRATEGIES:
+                raise ValueError(f"role {role!r}: strategy must be one of {sorted(STRATEGIES)}, got {spec.strategy!r}")
+        self.groups = {role: placement_group([spec.bundle()] * spec.count, strategy=STRATEGIES[spec.strategy],
+                                             name=f"{name}/{role}" if name else "")
+                       for role, spec in self.roles.items()}
         self.actor_prefix = f"{name}-{uuid.uuid4().hex[:6]}" if name else None
-        ready, _ = ray.wait([self.group.ready()], timeout=timeout)
-        if not ready:
-            remove_placement_group(self.group)
-            wanted = ", ".join(f"{count} {role} x {cpus:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
-                               for role, (count, cpus, gpus) in self.roles.items())
-            raise RuntimeError(f"the Ray cluster could not reserve this run's actors within {timeout:g} s ({wanted}; "
-                               f"the cluster has {ray.cluster_resources().get('CPU', 0):g} CPUs)")
+        waiting = {group.ready(): role for role, group in self.groups.items()}
+        ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=timeout)
+        missing = [waiting[ref] for ref in waiting if ref not in ready]
+        if missing:
+            self.remove()
+            wanted = "; ".join(f"{role}: {self.roles[role].describe()}" for role in missing)
+            have = ray.cluster_resources()
+            asked = sorted({key for role in missing for key in self.roles[role].bundle()})
+            raise RuntimeError(f"the Ray cluster could not place these roles within {timeout:g} s ({wanted}); the "
+                               "cluster has " + ", ".join(f"{have.get(key, 0):g} {key}" for key in asked) +
+                               " in all, and a bundle must fit on one node")
 
     def options(self, role: str, index: int = 0) -> dict:
         """Actor options that place actor ``index`` of ``role`` in its own bundle."""
-        count, cpus, gpus = self.roles[role]
-        if not 0 <= index < count:
-            raise IndexError(f"role {role!r} has {count} actor(s), not an actor {index}")
-        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.first[role] + index)
+        spec = self.roles[role]
+        if not 0 <= index < spec.count:
+            raise IndexError(f"role {role!r} has {spec.count} actor(s), not an actor {index}")
+        strategy = PlacementGroupSchedulingStrategy(self.groups[role], placement_group_bundle_index=index)
         named = {"name": f"{self.actor_prefix}/{role.replace(' ', '-')}-{index}"} if self.actor_prefix else {}
-        return {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {}), "scheduling_strategy": strategy, **named}
+        return {"num_cpus": spec.cpus, **({"num_gpus": spec.gpus} if spec.gpus else {}),
+                **({"resources": dict(spec.resources)} if spec.resources else {}), "scheduling_strategy": strategy,
+                **named}
+
+    def where(self) -> list[Where]:
+        """Where every bundle stands now, by role and index (a bundle being moved after a node loss is left out)."""
+        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
+        found = []
+        for role, group in self.groups.items():
+            nodes = placement_group_table(group).get("bundles_to_node_id", {})
+            found += [Where(role, int(index), node, addresses.get(node, "?")) for index, node in sorted(nodes.items())
+                      if node in addresses]
+        return found
 
     def remove(self) -> None:
-        remove_placement_group(self.group)
+        for group in self.groups.values():
+            remove_placement_group(group)

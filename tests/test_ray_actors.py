@@ -189,10 +189,20 @@ def test_a_server_that_stops_answering_does_not_hold_up_the_others(cluster, serv
         ray.kill(server.actor)
 
 
+def _wait_until(condition, within: float = 60.0) -> bool:
+    deadline = time.monotonic() + within
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return condition()
+
+
 def test_remote_fleet_runs_programs_and_reruns_those_of_a_dead_runner(cluster):
+    """Programs of a runner killed for good (ray.kill) and of one whose process was lost (SIGKILL, restarted by Ray)
+    run again on the others; the restarted runner takes programs again once its new incarnation answers."""
     limits = SandboxLimits(wall_seconds=20)
-    actors = start_sandbox_runners(2, ProcessRunner(), limits, workers=2, num_cpus=0.25)
+    actors = start_sandbox_runners(3, ProcessRunner(), limits, workers=2, num_cpus=0.25, max_restarts=1)
     fleet = RemoteFleet(actors, workers=2)
+    pid = ray.get(actors[2].__ray_call__.remote(lambda host: os.getpid()))  # asked before its workers are busy
     echo = [Program(files={"main.py": f"print({i} * 2)"}, argv=["python3", "main.py"]) for i in range(6)]
     outcomes = fleet.map(echo)
     assert [o.stdout.strip() for o in outcomes] == [str(i * 2) for i in range(6)]
@@ -201,17 +211,22 @@ def test_remote_fleet_runs_programs_and_reruns_those_of_a_dead_runner(cluster):
     assert failing.verdict is Verdict.FAILED and failing.exit_code == 3  # a program's failure is an Outcome
 
     slow = [fleet.submit(Program(files={"main.py": "import time; time.sleep(1.5); print('done')"},
-                                 argv=["python3", "main.py"])) for _ in range(4)]
+                                 argv=["python3", "main.py"])) for _ in range(6)]
     time.sleep(0.5)
-    ray.kill(actors[0])
-    assert [f.result(60).stdout.strip() for f in slow] == ["done"] * 4  # the killed runner's two ran again
-    assert fleet.reruns == 2 and fleet.live == 1
+    ray.kill(actors[0])  # no restart: gone for good
+    os.kill(pid, signal.SIGKILL)  # its process lost: Ray restarts it
+    assert [f.result(60).stdout.strip() for f in slow] == ["done"] * 6  # both runners' two ran again
+    assert fleet.reruns >= 4  # a rerun that landed on the restarting runner ran a third time
+    assert _wait_until(lambda: fleet.live == 2), (fleet.replicas.dead(), fleet.replicas.aside())
+    assert fleet.replicas.dead() == [0] and ray.get(actors[2].__ray_call__.remote(lambda host: os.getpid())) != pid
 
     cases = '[{"stdin": "3\\n", "stdout": "9"}, {"stdin": "4\\n", "stdout": "16"}]'
     answer = "```python\nn = int(input())\nprint(n * n)\n```"
     with SandboxFleet(ProcessRunner(), limits, workers=2) as local:
         assert CodeReward(fleet)("code", answer, cases, "") == CodeReward(local)("code", answer, cases, "") == 1.0
-    ray.kill(actors[1])
+    assert {o.stdout.strip() for o in fleet.map(echo)} == {str(i * 2) for i in range(6)}  # on both live runners
+    for actor in actors[1:]:
+        ray.kill(actor)
 
 
 def test_training_continues_when_a_rollout_server_is_killed_mid_batch(cluster, endless, sharp_decoder):
@@ -296,13 +311,6 @@ def test_a_stopped_rollout_server_is_set_aside_and_rejoins(cluster, serving, sha
         ray.kill(server.actor)
 
 
-def _wait_until(condition, within: float = 60.0) -> bool:
-    deadline = time.monotonic() + within
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return condition()
-
-
 def test_a_restarted_rollout_server_loads_the_current_weights_before_it_draws(cluster, serving, sharp_decoder):
     """SIGKILLs the process of one of two RolloutServerActors started with max_restarts (its node lost, as Ray sees
     it): its draws fail as ServerRestarted and go to the other; Ray runs its constructor again, and the new
@@ -338,24 +346,6 @@ def test_a_restarted_rollout_server_loads_the_current_weights_before_it_draws(cl
         each.close()
     for server in pool.servers:
         ray.kill(server.actor)
-
-
-def test_a_restarted_sandbox_runner_takes_programs_again(cluster):
-    actors = start_sandbox_runners(2, ProcessRunner(), SandboxLimits(wall_seconds=20), workers=2, num_cpus=0.25,
-                                   max_restarts=1)
-    fleet = RemoteFleet(actors, workers=2)
-    pid = ray.get(actors[0].__ray_call__.remote(lambda host: os.getpid()))  # asked before its workers are busy
-    slow = [fleet.submit(Program(files={"main.py": "import time; time.sleep(1.5); print('done')"},
-                                 argv=["python3", "main.py"])) for _ in range(4)]
-    time.sleep(0.5)
-    os.kill(pid, signal.SIGKILL)
-    assert [f.result(60).stdout.strip() for f in slow] == ["done"] * 4  # the lost runner's two ran again
-    assert fleet.reruns == 2
-    assert _wait_until(lambda: fleet.live == 2), fleet.replicas.aside()  # back, as a new incarnation
-    echo = [Program(files={"main.py": f"print({i})"}, argv=["python3", "main.py"]) for i in range(8)]
-    assert [o.stdout.strip() for o in fleet.map(echo)] == [str(i) for i in range(8)]
-    for actor in actors:
-        ray.kill(actor)
 
 
 def test_environment_workers_run_sessions_and_the_scheduler_trains_through_them(cluster, serving, sharp_decoder):

@@ -19,6 +19,7 @@ from dew_ray.actors.rollout_server_actor import (
     RolloutServerActor,
     RolloutServerHost,
     ServerPool,
+    server_pool,
     start_rollout_servers,
 )
 from dew_ray.actors.sandbox_runner_actor import RemoteFleet, SandboxRunnerActor, SandboxRunnerHost, start_sandbox_runners
@@ -36,6 +37,7 @@ __all__ = [
     "SandboxRunnerActor",
     "SandboxRunnerHost",
     "ServerPool",
+    "server_pool",
     "start_rollout_servers",
     "start_sandbox_runners",
     "start_trainer_group",

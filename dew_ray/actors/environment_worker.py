@@ -29,7 +29,7 @@ from dew.collection.sources import EnvironmentSource
 from dew.records.session_records import Session, SessionSource, Status, Task
 from dew_ray.actors.actor_replicas import ActorReplicas
 from dew_ray.actors.keyed_calls import KeyedCalls
-from dew_ray.actors.rollout_server_actor import RemoteRolloutServer, ServerPool
+from dew_ray.actors.rollout_server_actor import ServerPool, server_pool
 from dew.validation import positive_int
 
 
@@ -51,7 +51,7 @@ class EnvironmentWorkerHost:
             raise ValueError("EnvironmentWorker needs either environment and verifier, or build")
         if build is not None:
             environment, verifier = build()
-        self.pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers], timeout=server_timeout)
+        self.pool = server_pool(servers, timeout=server_timeout)
         self.source = EnvironmentSource(self.pool, environment, verifier, **options)
         self._sessions = KeyedCalls(self.source.cancel)
 
@@ -85,7 +85,9 @@ def start_environment_workers(count: int, servers: ServerPool, environment: Call
 
     ``placement(i)``, when given, returns worker i's options (its CPUs and placement-group bundle)
     in place of ``num_cpus``; ``options`` go to each worker (``build``, ``server_timeout`` and
-    EnvironmentSource's).
+    EnvironmentSource's). With ``max_restarts`` in ``actor_options``, pass large arguments as
+    ObjectRefs the caller holds (``ray.put``): Ray frees the arguments it put itself once the
+    workers are created, and a restart runs the constructor on them again.
     """
     positive_int("count", count)
     pairs = [(server.name, server.actor) for server in servers.servers]

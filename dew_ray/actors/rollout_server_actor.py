@@ -286,6 +286,12 @@ class ServerPool(PooledRolloutServer):
                                                    f"{self.publisher.timeout:g} s")
 
 
+def server_pool(pairs: Sequence[tuple[str, object]], timeout: float | None = None) -> ServerPool:
+    """A ServerPool over ``(name, RolloutServerActor)`` pairs that another process started (a trainer's, an
+    environment worker's), each at the version it serves now."""
+    return ServerPool([RemoteRolloutServer(actor, name) for name, actor in pairs], timeout=timeout)
+
+
 def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: int, lanes: int = 1,
                           version: int = 0, http: bool = False, num_cpus: float = 1, placement=None,
                           timeout: float | None = None, pushed: bool = True, **options) -> ServerPool:
@@ -297,8 +303,13 @@ def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: i
     brings a lost server back).
     """
     positive_int("count", count)
+    # One put for every server; the pool holds the object, because Ray frees the arguments it put itself once
+    # the actors are created, and a restart runs the constructor on them again.
+    held = ray.put(task)
     actors = [RolloutServerActor.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **options)
-              .remote(task, slots, capacity, lanes=lanes, version=version, http=http, pushed=pushed)
+              .remote(held, slots, capacity, lanes=lanes, version=version, http=http, pushed=pushed)
               for i in range(count)]
-    return ServerPool([RemoteRolloutServer(actor, f"rollout server {i}") for i, actor in enumerate(actors)],
+    pool = ServerPool([RemoteRolloutServer(actor, f"rollout server {i}") for i, actor in enumerate(actors)],
                       timeout=timeout)
+    pool.held = held
+    return pool

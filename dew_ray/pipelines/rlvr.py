@@ -72,6 +72,7 @@ The driver API: ``pipeline = RLVRPipeline(config)``, ``pipeline.start()``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -96,7 +97,14 @@ from dew_ray.pipelines.rlvr_actors import RLVRActors
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
 from dew_ray.pipelines.rlvr_job import PipelineEnvironment, Setup, pipeline_reward, warm_start_task
 from dew_ray.pipelines.rlvr_report import plot, print_summary
-from dew_ray.pipelines.run_dirs import PreflightError, pipeline_main, resolve_run_dir, start_ray, writable
+from dew_ray.pipelines.run_dirs import (
+    PreflightError,
+    pipeline_main,
+    resolve_run_dir,
+    shared_on_nodes,
+    start_ray,
+    writable,
+)
 
 VERL_ROWS = "verl_rows"  # the run directory's folder of verl AgentLoopOutput rows (config verl_rows)
 HELD_OUT = "held_out.jsonl"  # the run directory's held-out reward curve, one {"step", "reward"} line per point
@@ -142,6 +150,7 @@ class RLVRPipeline:
         self.sandbox: str | None = None
         self.plan: RunPlan | None = None  # what the run trains, worked out by the preflight
         self.episodes: EnvironmentSource | None = None  # with an environment, the held-out episodes' source
+        self.placement: list = []  # where each actor's bundle stood when the actors started (RolePlacement.where)
 
     @property
     def pool(self):
@@ -201,6 +210,13 @@ class RLVRPipeline:
         if gpus > ray.cluster_resources().get("GPU", 0):
             raise PreflightError(f"the run reserves {gpus:g} GPUs for its trainers and vLLM servers but the Ray cluster has "
                                  f"{ray.cluster_resources().get('GPU', 0):g}")
+        for role, spec in config.roles().items():
+            for resource, amount in spec.resources.items():
+                have = ray.cluster_resources().get(resource, 0)
+                if spec.count * amount > have:
+                    raise PreflightError(f"the {role}s ask for {spec.count * amount:g} {resource!r} in all, and the "
+                                         f"Ray cluster's nodes offer {have:g} (node resources come from `ray start "
+                                         f"--resources`); lower the role's count or its *_resources field")
         (self.run_dir / "config.json").write_text(json.dumps({**config.model_dump(), "run_dir": str(self.run_dir)},
                                                              indent=2))
         plan = self.preflight_plan()
@@ -212,6 +228,8 @@ class RLVRPipeline:
                                    judge_eos_ids=plan.judge_eos_ids, judge_parse=plan.judge_parse)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
         self.actors = actors = RLVRActors(setup, name=f"dew-rlvr-{self.run_dir.resolve().name}")
+        self.placement = actors.placement.where()
+        shared_on_nodes(self.run_dir, {where.node: where.address for where in self.placement})
         self.params = self._warm_params(setup, plan)
         actors.start_roles(self.params, self.runner, plan.judge)
         if setup.environment is not None:  # the held-out episodes run here, on the driver's pool and fleet
@@ -373,6 +391,8 @@ class RLVRPipeline:
             "seconds": time.perf_counter() - self.started_at, "run_dir": str(self.run_dir.resolve()),
             "policy": str(policy.resolve()), "plot": str((self.run_dir / "rlvr.png").resolve()),
             "prompts_filtered": {"train": self.plan.train.filtered, "held_out": self.plan.held_out.filtered},
+            "placement": {"start": [dataclasses.asdict(where) for where in self.placement],
+                          "end": [dataclasses.asdict(where) for where in self.actors.placement.where()]},
         }
         if not self.reward_before["all"] and not after["all"]:
             why = (f"for the built-in decoder the warm start (sft_steps={self.config.sft_steps}) sets the starting "
@@ -438,6 +458,8 @@ def run(config: RLVRPipelineConfig, address: str | None = None) -> dict:
             print(f"warm start: {config.sft_steps} SFT steps before the first update (nothing prints until they "
                   "end; about a minute on 2 cores for the built-in decoder's 400)", flush=True)
         started = pipeline.start()
+        for where in pipeline.placement:
+            print(f"placement: {where.describe()}", flush=True)
         if started["restored"]:
             print(f"resumed {pipeline.run_dir} at update {started['step']}", flush=True)
         with tqdm(total=config.steps, initial=pipeline.step_count, desc="rlvr", unit="update",

@@ -1,8 +1,10 @@
 """Where the RLVR pipeline starts its actors, and stops them: every role of one run, in one place.
 
 :class:`RLVRActors` reserves every role's CPUs (and GPUs) at once in one placement group
-(:class:`~dew_ray.placement.RolePlacement`; the driver runs the warm start as a task in the
-first trainer's bundle), then starts, each actor in its own bundle:
+(:class:`~dew_ray.placement.RolePlacement`, one placement group per role, placed as the
+config's ``*_strategy`` and ``*_resources`` say; the driver runs the warm start as a task in
+the first trainer's bundle), then starts, each actor in its own bundle (rollout servers,
+sandbox runners, environment workers and judge servers with ``max_restarts=restarts``):
 
 - with ``start_roles(params, runner)``, ``servers`` rollout servers: RolloutServerActors behind a :class:`~dew_ray.actors.ServerPool`
   (``engine="native"``), or VLLMEngineActors launched on ``<run_dir>/engine/policy`` behind
@@ -59,17 +61,11 @@ class RLVRActors:
         self.trainers: list = []
         self.pool = self.fleet = None
         self.environment_workers: list = []
-        roles = {
-            "trainer": (config.trainers, config.trainer_cpus, config.trainer_gpus),
-            "rollout server": (config.servers, config.server_cpus, config.server_gpus),
-            "sandbox runner": (config.sandbox_runners, config.sandbox_cpus),
-        }
-        if setup.environment is not None:
-            roles["environment worker"] = (config.environment_workers, config.environment_cpus)
-        if setup.reward == "judge":
-            roles["judge server"] = (config.judge_servers, config.judge_cpus)
+        self.environment_build = None
         self.judge_pool = None
-        self.placement = RolePlacement(roles, name=name)
+        self.placement = RolePlacement(config.roles(), name=name)
+        # a lost server, runner or worker comes back in its bundle (vLLM engines and trainers are not restarted)
+        self.restarts = {"max_restarts": config.restarts}
 
     def start_roles(self, params, runner, judge=None) -> None:
         """The rollout servers serving ``params`` (version -1), the sandbox runners (``runner``: the preflight's),
@@ -80,18 +76,21 @@ class RLVRActors:
             self.judge_pool = start_rollout_servers(
                 ServingTask(judge.model, judge.params, sampling), config.judge_servers, slots=config.slots,
                 capacity=config.judge_max_length, placement=lambda i: self.placement.options("judge server", i),
-                timeout=config.server_timeout)
+                timeout=config.server_timeout, pushed=False, **self.restarts)
             self.setup.judges = [(server.name, server.actor) for server in self.judge_pool.servers]
         self.servers = self._start_servers(params)
         self.runners = start_sandbox_runners(config.sandbox_runners, runner, SANDBOX_LIMITS,
                                              workers=config.sandbox_workers,
-                                             placement=lambda i: self.placement.options("sandbox runner", i))
+                                             placement=lambda i: self.placement.options("sandbox runner", i),
+                                             **self.restarts)
         self.fleet = RemoteFleet(self.runners, workers=config.sandbox_workers)
         if self.setup.environment is not None:  # each worker builds the environment in its own process
+            # held for the run: a restarted worker builds its environment from it again
+            self.environment_build = ray.put(PipelineEnvironment(self.setup, self.runners))
             self.environment_workers = start_environment_workers(
-                config.environment_workers, self.pool, build=PipelineEnvironment(self.setup, self.runners),
+                config.environment_workers, self.pool, build=self.environment_build,
                 server_timeout=config.server_timeout, workers=config.slots, **self.setup.episode_options(),
-                placement=lambda i: self.placement.options("environment worker", i))
+                placement=lambda i: self.placement.options("environment worker", i), actor_options=self.restarts)
 
     def _start_servers(self, params) -> list:
         setup, config = self.setup, self.setup.config
@@ -110,7 +109,7 @@ class RLVRActors:
             return actors
         self.pool = start_rollout_servers(ServingTask(setup.model, params, setup.sampling()), config.servers,
                                           slots=config.slots, capacity=setup.width, version=-1, placement=placement,
-                                          timeout=config.server_timeout)
+                                          timeout=config.server_timeout, **self.restarts)
         return [server.actor for server in self.pool.servers]
 
     def start_trainers(self, params) -> list[dict]:

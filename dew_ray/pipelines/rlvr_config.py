@@ -8,7 +8,7 @@ raises naming the field, the value and what was expected.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -16,6 +16,11 @@ from dew.config import load_config as load_any
 from dew.experiment_trackers import TrackerOptions
 from dew.recipes.judge_reward import JUDGE_TEMPLATE, check_template
 from dew.recipes.rlvr_recipe import RLVRConfig
+from dew_ray.placement import Role
+
+
+Strategy = Literal["pack", "spread"]
+NodeResources = dict[str, Annotated[float, Field(gt=0)]]
 
 
 class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
@@ -95,6 +100,18 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     draws or a weight load wait on it before the pools set it aside (its draws are drawn again
     on the others; it rejoins once it answers and serves the current weights:
     :class:`~dew_ray.actors.ServerPool`, :class:`~dew.inference.EnginePool`).
+    restarts: how many times Ray brings back a lost rollout server, sandbox runner, environment
+    worker or judge server (its process or its node lost; -1: without limit): the actor starts
+    again in its placement-group bundle on a node with room, a rollout server loads the current
+    weights before it takes draws, and the survivors take the work meanwhile (engine="vllm"
+    engines are not restarted); trainer_strategy, server_strategy, sandbox_strategy,
+    environment_strategy, judge_strategy: how each role's actors are placed over the nodes,
+    "pack" (as few nodes as fit) or "spread" (as many as there are: a lost node takes as few of
+    the role's actors as it can); trainer_resources, server_resources, sandbox_resources,
+    environment_resources, judge_resources: node resources each actor of the role asks for, such
+    as ``{"rollout": 1}`` for nodes started with ``ray start --resources='{"rollout": 4}'`` (the
+    role runs only on nodes that offer them). The driver prints the node of every actor, and
+    summary.json lists them under ``placement``.
     trackers, wandb_project, wandb_mode: experiment trackers that get every ``metrics.jsonl``
     row from the driver (:class:`dew.experiment_trackers.TrackerOptions`): TensorBoard event
     files in ``<run_dir>/tensorboard``, a W&B run in ``<run_dir>/wandb``.
@@ -143,6 +160,17 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     verl_rows: bool = False
     eval_points: int = Field(3, ge=0)
     server_timeout: float = Field(60.0, gt=0)
+    restarts: int = Field(3, ge=-1)
+    trainer_strategy: Strategy = "pack"
+    server_strategy: Strategy = "pack"
+    sandbox_strategy: Strategy = "pack"
+    environment_strategy: Strategy = "pack"
+    judge_strategy: Strategy = "pack"
+    trainer_resources: NodeResources = {}
+    server_resources: NodeResources = {}
+    sandbox_resources: NodeResources = {}
+    environment_resources: NodeResources = {}
+    judge_resources: NodeResources = {}
 
     @model_validator(mode="after")
     def _roles(self):
@@ -188,6 +216,22 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
         """The updates after which the held-out reward is measured during training (``eval_points`` of them)."""
         return sorted({round(self.steps * i / (self.eval_points + 1)) for i in range(1, self.eval_points + 1)}
                       - {0, self.steps})
+
+    def roles(self) -> dict[str, Role]:
+        """Every role this run starts, with its actors' count, reservations and placement."""
+        roles = {"trainer": Role(self.trainers, self.trainer_cpus, self.trainer_gpus, self.trainer_strategy,
+                                 self.trainer_resources),
+                 "rollout server": Role(self.servers, self.server_cpus, self.server_gpus, self.server_strategy,
+                                        self.server_resources),
+                 "sandbox runner": Role(self.sandbox_runners, self.sandbox_cpus, 0.0, self.sandbox_strategy,
+                                        self.sandbox_resources)}
+        if self.environment is not None:
+            roles["environment worker"] = Role(self.environment_workers, self.environment_cpus, 0.0,
+                                               self.environment_strategy, self.environment_resources)
+        if self.reward == "judge":
+            roles["judge server"] = Role(self.judge_servers, self.judge_cpus, 0.0, self.judge_strategy,
+                                         self.judge_resources)
+        return roles
 
     def cpu_demand(self) -> dict[str, float]:
         """Ray CPUs each role reserves at once (the warm start runs before the trainers, on their share)."""

@@ -33,7 +33,7 @@ from dew.records.verl_rows import to_verl
 from dew.sampling import Sampling
 from dew.recipes.judge_reward import JudgeReward
 from dew.recipes.run_environment import EnvironmentSetup, build_environment
-from dew_ray.actors import RemoteEnvironmentSource, RemoteFleet, RemoteRolloutServer, ServerPool, TrainJob, vllm_rollouts
+from dew_ray.actors import RemoteEnvironmentSource, RemoteFleet, ServerPool, TrainJob, server_pool, vllm_rollouts
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
 
 
@@ -129,8 +129,7 @@ def judge_pool(setup: Setup) -> ServerPool | None:
     """A pool over the run's judge servers for this process (None without a judge)."""
     if not setup.judges:
         return None
-    return ServerPool([RemoteRolloutServer(actor, name) for name, actor in setup.judges],
-                      timeout=setup.config.server_timeout)
+    return server_pool(setup.judges, timeout=setup.config.server_timeout)
 
 
 def pipeline_reward(setup: Setup, fleet, judges: ServerPool | None = None):
@@ -170,7 +169,7 @@ def trainer_job(setup: Setup, params, servers: list, runners: list, environment_
     if setup.engines:
         pool = engine_rollouts(setup, version=-1, push=config.engine_push)
     else:
-        pool = ServerPool([RemoteRolloutServer(actor, name) for name, actor in servers], timeout=config.server_timeout)
+        pool = server_pool(servers, timeout=config.server_timeout)
     fleet = CountingFleet(RemoteFleet(runners, workers=config.sandbox_workers))
     judges = judge_pool(setup)
     # The trainer's own bar stays off: the driver shows the run's. (The config is not rebuilt here: its checks,

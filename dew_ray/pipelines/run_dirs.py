@@ -4,7 +4,8 @@
 relative one resolves against the driver's working directory, a submitted job (``ray job
 submit``, whose driver runs in a packaged copy of the working directory that dies with the
 session) must give an absolute path every node reaches, and a URI is refused (the pipelines
-write with local file I/O). ``writable`` checks it can be written; ``start_ray`` starts the
+write with local file I/O). ``writable`` checks it can be written, and ``shared_on_nodes``
+that every node the run uses reads and writes the same directory; ``start_ray`` starts the
 local cluster of one run (token authentication off, ``runs/`` and the run directory left out
 of the packaged working directory) unless ``address`` or ``RAY_ADDRESS`` names a cluster.
 ``pipeline_main`` is every pipeline's ``python -m`` entry: ``--config``, ``--set`` and
@@ -17,11 +18,14 @@ import argparse
 import math
 import os
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import ray
 from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+from ray.exceptions import GetTimeoutError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 
 class PreflightError(RuntimeError):
@@ -57,6 +61,50 @@ def writable(run_dir: Path) -> None:
     except OSError as error:
         raise PreflightError(f"the run directory {run_dir} is not writable ({error}); set run_dir to a directory you "
                              "can write") from None
+
+
+def _node_check(run_dir: str, token: str) -> str | None:
+    """On one node: the driver's token file is there, and a file written here reads back; None, or what failed."""
+    directory = Path(run_dir)
+    try:
+        seen = (directory / f".dew-shared-{token}").read_text()
+    except OSError as error:
+        return f"the driver's check file is not there ({error.strerror or error})"
+    if seen != token:
+        return "the driver's check file reads back different here"
+    mine = directory / f".dew-shared-{token}-{ray.get_runtime_context().get_node_id()[:12]}"
+    try:
+        mine.write_text(token)
+        back = mine.read_text()
+        mine.unlink()
+    except OSError as error:
+        return f"it cannot be written there ({error})"
+    return None if back == token else "a file written there reads back different"
+
+
+def shared_on_nodes(run_dir: Path, nodes: dict[str, str], timeout: float = 120.0) -> None:
+    """Prove that every node in ``nodes`` (node id -> address) reaches the run directory the driver writes: a small
+    task on each reads a file the driver wrote, writes its own, reads it back and removes it. Raises PreflightError
+    naming the first node that does not."""
+    token = uuid.uuid4().hex
+    mark = run_dir / f".dew-shared-{token}"
+    mark.write_text(token)
+    check = ray.remote(_node_check)
+    try:
+        asked = {node: check.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                 .remote(str(run_dir), token) for node in nodes}
+        for node, ref in asked.items():
+            try:
+                problem = ray.get(ref, timeout=timeout)
+            except GetTimeoutError:
+                problem = f"its check did not finish within {timeout:g} s"
+            if problem is not None:
+                raise PreflightError(
+                    f"the run directory {run_dir} is not shared with node {node[:8]} ({nodes[node]}): {problem}. "
+                    "Every node the run uses must read and write one run directory at the same path (a network "
+                    "filesystem mounted on every node); set run_dir to such a path")
+    finally:
+        mark.unlink(missing_ok=True)
 
 
 def _excludes(run_dir: Path) -> list[str]:

