@@ -158,5 +158,16 @@ def start_trainer_group(build: Callable[[], TrainJob], processes: int = 1, local
 
 
 def step_group(actors: list, count: int = 1, timeout: float | None = None) -> list[list[dict]]:
-    """Step every process of a group at once (each update is a collective); metrics per process."""
-    return ray.get([actor.step.remote(count) for actor in actors], timeout=timeout)
+    """Step every process of a group at once (each update is a collective); metrics per process.
+
+    Raises as soon as any process fails (a lost process leaves the others waiting in a collective, so waiting
+    for every reply would wait for ever).
+    """
+    refs = [actor.step.remote(count) for actor in actors]
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not done:
+            raise TimeoutError(f"the trainer group did not finish {count} update(s) within {timeout:g} s")
+        ray.get(done)
+    return ray.get(refs)

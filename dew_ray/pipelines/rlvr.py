@@ -83,6 +83,7 @@ import jax
 import jax.numpy as jnp
 import ray
 from flax import serialization
+from ray.exceptions import RayActorError
 from tqdm import tqdm
 
 from dew.experiment_trackers import MetricWriters
@@ -142,6 +143,8 @@ class RLVRPipeline:
         self.held_out_curve: list[dict] = []  # {"step", "reward"} per held-out measurement, step 0 the warm start
         self.summary: dict | None = None
         self._started_ray = False
+        self.started_at: float | None = None
+        self.recoveries = 0  # times a lost trainer made the driver start the actors again from a checkpoint
         self.actors: RLVRActors | None = None
         self.metrics = None
         self.writers = None
@@ -193,7 +196,8 @@ class RLVRPipeline:
     def start(self) -> dict:
         """Start Ray (unless attached), warm-start or read back the warm start, start every actor."""
         config = self.config
-        self.started_at = time.perf_counter()
+        if self.started_at is None:  # a recovery's start keeps the run's
+            self.started_at = time.perf_counter()
         # What can fail before any work starts fails now, within seconds, naming the fix.
         if self.sandbox is None:
             self.preflight()
@@ -311,10 +315,12 @@ class RLVRPipeline:
         if not self.trainers:
             raise RuntimeError("call start() before step()")
         new = []
-        for _ in range(count):
-            if self.step_count >= self.config.steps:
-                break
-            results = step_group(self.trainers, 1)
+        while len(new) < count and self.step_count < self.config.steps:
+            try:
+                results = step_group(self.trainers, 1)
+            except RayActorError as error:  # a trainer (or its node) was lost: the run goes on from its checkpoint
+                self._recover(error)
+                continue
             now = time.perf_counter()
             reports = [process_metrics.pop("report", {}) for (process_metrics,) in results]
             verl_rows = [row for theirs in reports for row in theirs.pop("verl_rows", [])]
@@ -357,6 +363,21 @@ class RLVRPipeline:
             }, row["verdicts"])
         return new
 
+    def _recover(self, error: RayActorError) -> None:
+        """Start every actor of the run again from the newest checkpoint (what a rerun of a killed driver does, in
+        this driver), at most ``restarts`` times: a lost trainer's group cannot go on without it, and servers that
+        outlived it serve weights of updates its checkpoint does not hold."""
+        if 0 <= self.config.restarts <= self.recoveries:
+            raise RuntimeError(f"a trainer was lost and the run has been restarted {self.recoveries} time(s) "
+                               f"already (restarts={self.config.restarts})") from error
+        self.recoveries += 1
+        print(f"a trainer was lost ({type(error).__name__}); starting the run's actors again from its last "
+              f"checkpoint ({self.recoveries} of {self.config.restarts if self.config.restarts >= 0 else 'any'})",
+              flush=True)
+        self._stop_actors()
+        started = self.start()
+        print(f"resumed {self.run_dir} at update {started['step']}", flush=True)
+
     def wait_share(self) -> float | None:
         """The share of wall time after the first update that the trainer spent waiting for rollouts."""
         later = self.rows[1:]
@@ -391,6 +412,7 @@ class RLVRPipeline:
             "seconds": time.perf_counter() - self.started_at, "run_dir": str(self.run_dir.resolve()),
             "policy": str(policy.resolve()), "plot": str((self.run_dir / "rlvr.png").resolve()),
             "prompts_filtered": {"train": self.plan.train.filtered, "held_out": self.plan.held_out.filtered},
+            "recoveries": self.recoveries,
             "placement": {"start": [dataclasses.asdict(where) for where in self.placement],
                           "end": [dataclasses.asdict(where) for where in self.actors.placement.where()]},
         }
@@ -409,20 +431,21 @@ class RLVRPipeline:
 
     def stop(self) -> None:
         """Close the trainers and trackers, end every actor this run started, and Ray if this run started it."""
+        self._stop_actors()
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+
+    def _stop_actors(self) -> None:
         if self.writers is not None:
             self.writers.close()
             self.writers = None
         if self.episodes is not None:
             self.episodes.close()
             self.episodes = None
-        if not ray.is_initialized():
-            return
-        if self.actors is not None:
+        if ray.is_initialized() and self.actors is not None:
             self.actors.stop()
             self.actors = None
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
 
     def __enter__(self) -> RLVRPipeline:
         return self

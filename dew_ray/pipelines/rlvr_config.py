@@ -104,7 +104,8 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     worker or judge server (its process or its node lost; -1: without limit): the actor starts
     again in its placement-group bundle on a node with room, a rollout server loads the current
     weights before it takes draws, and the survivors take the work meanwhile (engine="vllm"
-    engines are not restarted); trainer_strategy, server_strategy, sandbox_strategy,
+    engines are not restarted); a lost trainer makes the driver start every actor of the run
+    again from the newest checkpoint, at most ``restarts`` times; trainer_strategy, server_strategy, sandbox_strategy,
     environment_strategy, judge_strategy: how each role's actors are placed over the nodes,
     "pack" (as few nodes as fit) or "spread" (as many as there are: a lost node takes as few of
     the role's actors as it can); trainer_resources, server_resources, sandbox_resources,
