@@ -15,6 +15,7 @@ of them on Ray (:mod:`dew_ray.pipelines.chain`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -60,6 +61,14 @@ def sft_demo(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from dew.inference.http import check_exposure
+
+    try:  # before the model is built or trained: a refused address fails at once
+        keys = check_exposure(args.host, args.api_key or [k for k in [os.environ.get("VLLM_API_KEY")] if k],
+                              args.unauthenticated)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     import jax
     import jax.numpy as jnp
     import optax
@@ -96,8 +105,11 @@ def serve(args: argparse.Namespace) -> int:
     blocks = {} if args.block_size is None else {"block_size": args.block_size}
     server = Server(model, variables, sampling, slots=args.slots, capacity=args.capacity, dtype=dtype, lanes=args.lanes,
                     **blocks)
-    with NativeRolloutServer(server) as rollout, OpenAIFront(rollout, tokenizer, args.host, args.port, name) as front:
-        print(f"dew-ray serve: {name} at {front.url}/v1 ({args.slots} slots of {args.capacity}); Ctrl-C stops",
+    with NativeRolloutServer(server) as rollout, OpenAIFront(rollout, tokenizer, args.host, args.port, name,
+                                                             api_keys=keys,
+                                                             unauthenticated=args.unauthenticated) as front:
+        guard = f"; API key required on /v1 ({len(keys)} key(s))" if keys else ""
+        print(f"dew-ray serve: {name} at {front.url}/v1 ({args.slots} slots of {args.capacity}){guard}; Ctrl-C stops",
               flush=True)
         try:
             threading.Event().wait()
@@ -227,7 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(run=sft_demo)
     served = commands.add_parser("serve", help="serve a decoder over an OpenAI-compatible HTTP API")
     served.add_argument("--checkpoint", help="a Hugging Face Llama/Qwen2/Qwen3 directory (default: the story decoder)")
-    served.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    served.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; any other "
+                                                             "address needs --api-key or --unauthenticated)")
+    served.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every /v1 route, as vLLM's --api-key (repeat "
+                             "for several keys; default: VLLM_API_KEY if set)")
+    served.add_argument("--unauthenticated", action="store_true",
+                        help="listen beyond loopback without an API key (everyone who reaches it may use the model)")
     served.add_argument("--port", type=int, default=8000)
     served.add_argument("--slots", type=int, default=8)
     served.add_argument("--capacity", type=int, default=256)

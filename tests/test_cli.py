@@ -25,15 +25,21 @@ def test_serve_answers_over_http():
     import os
     import subprocess
     import sys
+    import urllib.error
     import urllib.request
 
     from conftest import ROOT, free_port
 
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("VLLM_API_KEY", None)
+    refused = subprocess.run([sys.executable, "-m", "dew_ray.cli", "serve", "--host", "0.0.0.0"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "beyond loopback, without an API key" in refused.stderr
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "dew_ray.cli", "serve", "--port", str(port), "--train-steps", "20", "--slots", "2",
-         "--capacity", "64", "--block-size", "16"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+         "--capacity", "64", "--block-size", "16", "--api-key", "sesame"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
         line = ""
@@ -41,9 +47,19 @@ def test_serve_answers_over_http():
             line = process.stdout.readline()
             assert line, "dew-ray serve exited before it served"
         assert f"http://127.0.0.1:{port}/v1" in line
+        assert "API key required on /v1" in line
         body = json.dumps({"prompt": "Once upon a time", "max_tokens": 5, "seed": 3}).encode()
+        for key in (None, "open sesame"):  # no key, a wrong key: 401, as vLLM answers
+            headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+            with pytest.raises(urllib.error.HTTPError) as denied:
+                urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                                              headers=headers), timeout=60)
+            assert denied.value.code == 401 and json.loads(denied.value.read()) == {"error": "Unauthorized"}
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=60) as response:  # open, as vLLM's
+            assert json.loads(response.read())["status"] == "ok"
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": "Bearer sesame"})
         with urllib.request.urlopen(request, timeout=60) as response:
             reply = json.loads(response.read())
         assert reply["choices"][0]["finish_reason"] in ("stop", "length") and reply["model"] == "dew-stories"

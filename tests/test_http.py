@@ -195,3 +195,17 @@ def test_bodies_that_are_too_large_short_or_misdeclared_are_refused_by_name(fron
     status, reply = raw_post(front, "Content-Length: 4\r\n", b"\xff\xfe{}")
     assert status == 400 and "the body is not JSON" in reply["error"]["message"]
     assert call(front, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})[0] == 200
+
+
+def test_a_front_beyond_loopback_needs_an_api_key():
+    from dew.inference.http import check_exposure
+
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert check_exposure(host, (), False) == []
+    for host in ("0.0.0.0", "10.0.0.12", "::", "node-3.cluster"):
+        with pytest.raises(ValueError, match=f"listen on '{host}', beyond loopback, without an API key"):
+            check_exposure(host, (), False)
+        assert check_exposure(host, ["k"], False) == ["k"] and check_exposure(host, (), True) == []
+    assert check_exposure("0.0.0.0", "one", False) == ["one"]
+    with pytest.raises(ValueError, match="API keys must be non-empty strings"):
+        check_exposure("127.0.0.1", [""], False)

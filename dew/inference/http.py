@@ -31,17 +31,28 @@ Not like vLLM: streamed chunks are sent when the draw ends, not as each token is
 ``stop`` string ends the text but not the decoding, which runs to EOS or the budget.
 
 Bad requests (empty prompts, ids outside the vocabulary, budgets beyond the cache, controls
-out of range) get a 400 that names the problem and never reach a slot. The front binds to
-127.0.0.1 unless told otherwise and has no authentication.
+out of range) get a 400 that names the problem and never reach a slot.
+
+Who gets in: the front binds to 127.0.0.1 unless told otherwise. ``api_keys`` guards it as
+vLLM's ``--api-key`` does (``vllm/entrypoints/serve/middleware/authenticate.py`` in 0.32):
+a request whose path starts with ``/v1`` must carry ``Authorization: Bearer <key>`` for one
+of the keys (compared as SHA-256 digests in constant time) or gets 401 ``{"error":
+"Unauthorized"}``; ``/health`` stays open. A front on any other address than loopback
+without a key is refused when it is built, unless ``unauthenticated=True`` says so on
+purpose: anyone who reaches the port could draw from the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
+import ipaddress
 import json
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler
 
 import jax
@@ -90,7 +101,10 @@ class OpenAIFront(BackgroundServer):
     """Serves a NativeRolloutServer over HTTP on a background thread; ``url`` is its base address."""
 
     def __init__(self, rollout: NativeRolloutServer, tokenizer=None, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "dew", timeout: float = 600.0):
+                 model_name: str = "dew", timeout: float = 600.0, api_keys: Sequence[str] = (),
+                 unauthenticated: bool = False):
+        keys = check_exposure(host, api_keys, unauthenticated)
+        self._keys = [hashlib.sha256(key.encode()).digest() for key in keys]
         self.rollout, self.tokenizer, self.model_name, self.timeout = rollout, tokenizer, model_name, timeout
         model = rollout.server.model
         self._logits = jax.jit(lambda variables, ids: model.apply(variables, ids)[0].astype(jnp.float32))
@@ -120,7 +134,11 @@ class OpenAIFront(BackgroundServer):
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
         }
-        route = routes.get((method, handler.path.split("?")[0]))
+        path = handler.path.split("?")[0]
+        if self._keys and path.startswith("/v1") and not self._authorized(handler.headers.get("Authorization")):
+            write_json(handler, 401, {"error": "Unauthorized"})
+            return
+        route = routes.get((method, path))
         try:
             if route is None:
                 raise LookupError(f"no route {method} {handler.path}")
@@ -153,6 +171,13 @@ class OpenAIFront(BackgroundServer):
             handler.wfile.flush()
             return
         write_json(handler, status, reply)
+
+    def _authorized(self, header: str | None) -> bool:
+        scheme, _, key = (header or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(key.encode()).digest()
+        return any([hmac.compare_digest(digest, known) for known in self._keys])  # every key compared, always
 
     # ----- what a request asks for -----------------------------------------------------------
 
@@ -325,6 +350,29 @@ class OpenAIFront(BackgroundServer):
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def check_exposure(host: str, api_keys: Sequence[str] | str, unauthenticated: bool) -> list[str]:
+    """The API keys as a list; raises ValueError for a key that is not a non-empty string, and for a ``host``
+    beyond loopback without a key unless ``unauthenticated``."""
+    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
+    if any(not isinstance(key, str) or not key for key in keys):
+        raise ValueError("API keys must be non-empty strings")
+    if not keys and not unauthenticated and not loopback(host):
+        raise ValueError(f"the OpenAI front would listen on {host!r}, beyond loopback, without an API key: give one "
+                         "(dew-ray serve --api-key, OpenAIFront api_keys), or --unauthenticated "
+                         "(unauthenticated=True) if everyone who reaches that address may use the model")
+    return keys
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or "localhost"), reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: whatever it resolves to, it is not known to be loopback
+        return False
 
 
 def _body(handler: BaseHTTPRequestHandler) -> bytes:

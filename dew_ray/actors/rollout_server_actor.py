@@ -75,7 +75,8 @@ class RolloutServerHost:
     """A NativeRolloutServer in its own process; ``RolloutServerActor`` is this class as a Ray actor.
 
     ``http=True`` also starts the OpenAI-compatible front on ``host`` (loopback by
-    default); ``url()`` returns its address. ``landing``: a LandingCheck every load must pass
+    default; any other address needs ``api_keys``, which guard its ``/v1`` routes as vLLM's
+    ``--api-key`` does); ``url()`` returns its address. ``landing``: a LandingCheck every load must pass
     (a WeightBroadcast to these actors then fails naming the actor whose copy does not match).
     ``pushed``: whether the weights it serves are pushed to it during the run; a host of pushed
     weights that Ray restarted holds stale ones and refuses draws until its next load (a
@@ -84,7 +85,7 @@ class RolloutServerHost:
 
     def __init__(self, task: ServingTask, slots: int, capacity: int, lanes: int = 1, version: int = 0,
                  http: bool = False, tokenizer=None, host: str = "127.0.0.1", landing: LandingCheck | None = None,
-                 pushed: bool = True):
+                 pushed: bool = True, api_keys: Sequence[str] = ()):
         self.stale = pushed and restarted_actor()
         self.rollout = NativeRolloutServer(Server.from_task(task, slots=slots, capacity=capacity, lanes=lanes),
                                            version=version, landing=landing)
@@ -94,7 +95,7 @@ class RolloutServerHost:
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="dew-server-load")
         self.front = None
         if http:
-            self.front = OpenAIFront(self.rollout, tokenizer, host=host)
+            self.front = OpenAIFront(self.rollout, tokenizer, host=host, api_keys=api_keys)
 
     async def draw(self, key: str, prompt_ids: Sequence[int], max_new_tokens: int, seed: int) -> Draw:
         """Submit one draw and wait for it; ``key`` is the caller's name for it (see ``cancel``)."""
