@@ -49,7 +49,7 @@ from dew.validation import distinct, positive
 logger = logging.getLogger(__name__)
 
 CHECK_TIMEOUT = 30.0  # seconds a failed piece's liveness check waits for its replica's answer
-PROBE_PAUSE = 0.5  # seconds between probes of a replica set aside that answered "not now" at once
+PROBE_PAUSE = 0.5  # the least seconds between two probes of a replica set aside (one that says "not now" at once)
 
 
 @dataclasses.dataclass(eq=False)
@@ -278,6 +278,7 @@ class ReplicaPool:
         name = self.names[index]
         try:
             while not self._closed.is_set():
+                asked = time.monotonic()
                 try:
                     served = self._probe(index, self.timeout)
                 except ServerDied as error:
@@ -292,8 +293,8 @@ class ReplicaPool:
                     silent = index in self._aside
                 if served is not None and not silent:
                     return
-                if served is None and silent:  # a replica being restarted refuses at once: ask again shortly
-                    self._closed.wait(PROBE_PAUSE)
+                if served is None and silent:  # a replica being restarted refuses at once: not again at once
+                    self._closed.wait(max(0.0, PROBE_PAUSE - (time.monotonic() - asked)))
                 if served is not None:
                     if self._rejoined(index, served):
                         with self._lock:
