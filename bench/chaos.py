@@ -14,7 +14,13 @@ one fault at a time into the live pipeline (its actors carry names, ``RolePlacem
   then SIGCONT: its replies are lost while Ray still sees it alive (the pools set it aside,
   draw its rollouts again elsewhere and take it back once it answers and has loaded);
 - once, SIGKILL of the driver process itself after a seeded update; the same command is
-  then run again and must resume from its checkpoint.
+  then run again and must resume from its checkpoint;
+- with ``--nodes N`` (worker raylets beside the head, ``ray start --address``, where the
+  rollout servers and sandbox runners are spread by the ``rollout`` resource): SIGKILL of a
+  whole worker node's processes (its actors restart on the others; a fresh node joins in
+  its place);
+- with ``--trainer-kills K``: up to K times, ``ray.kill`` of the trainer actor (the driver
+  starts the run's actors again from the last checkpoint, in the same driver).
 
 Faults start once a driver has trained an update (a driver's start, the actors' and the
 restore, is spared), and kills leave at least one actor of each role alive in each
@@ -34,7 +40,7 @@ throughout (a restarted one serves nothing until it has loaded). After the run:
 - sandbox: no program the injector killed was reported COMPLETED (checked by
   ``sandbox_chaos``: a SandboxFleet running programs while some are SIGKILLed).
 
-    uv run python bench/chaos.py [--steps 40] [--seed 0] [--every 3]
+    uv run python bench/chaos.py [--steps 40] [--seed 0] [--every 3] [--nodes 2] [--trainer-kills 1]
 
 Prints the faults injected and survived and the invariants; writes bench/results/chaos.json.
 """
@@ -68,7 +74,7 @@ from processes import descendants, signal_process, stop_ray_head
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-ROLES = ("rollout-server", "sandbox-runner")  # the roles faulted, as RolePlacement spells them in actor names
+ROLES = ("rollout-server", "sandbox-runner", "trainer")  # the roles faulted, as RolePlacement spells them in names
 
 
 # ----- processes --------------------------------------------------------------------------------------------------
@@ -88,6 +94,35 @@ class RayHead:
 
     def stop(self) -> None:
         stop_ray_head(self.temp_dir, self.port)
+
+
+class RayWorkerNode:
+    """A worker raylet joined to ``address`` (``ray start --address ... --block`` in a session of its own) offering
+    ``cpus`` CPUs and the ``rollout`` resource; ``lose()`` SIGKILLs the whole session, as a node that vanishes."""
+
+    def __init__(self, address: str, env: dict, cpus: int, label: str):
+        self.label = label
+        self.process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", f"--address={address}", f"--num-cpus={cpus}",
+             f'--resources={{"rollout": {4 * cpus}, "{label}": 1}}', "--object-store-memory=300000000", "--block",
+             "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+
+    def joined(self, within: float = 120.0) -> bool:
+        """Wait until the cluster lists this node alive (needs ``ray.init`` in this process)."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if any(node["Alive"] and node["Resources"].get(self.label) for node in ray.nodes()):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def lose(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=60)
 
 
 # ----- the injector -----------------------------------------------------------------------------------------------
@@ -141,9 +176,11 @@ def _command_line(pid: int) -> str:
 class Injector:
     """Seeded faults into the actors of the run whose actor names start with ``prefix`` (see the module docstring)."""
 
-    def __init__(self, prefix: str, seed: int, servers: int, runners: int, server_timeout: float):
+    def __init__(self, prefix: str, seed: int, servers: int, runners: int, server_timeout: float,
+                 nodes: list | None = None, add_node=None, trainer_kills: int = 0):
         self.prefix, self.random, self.server_timeout = prefix, random.Random(seed), server_timeout
         self.limits = {"rollout-server": servers - 1, "sandbox-runner": runners - 1}
+        self.nodes, self.add_node, self.trainer_kills = nodes if nodes is not None else [], add_node, trainer_kills
         self.faults: Counter = Counter()
         self.log: list[dict] = []
         self.versions: dict[str, list[int]] = {}
@@ -210,7 +247,24 @@ class Injector:
                 kinds.append(f"ray.kill {label}")
                 if role == "rollout-server":  # a stall past the timeout takes a server out for a while, as a kill
                     kinds += ["SIGKILL rollout server process", "SIGSTOP rollout server past its timeout"]
+        if len(self.nodes) >= 2:  # a node vanishes (its actors restart elsewhere) and a new one joins
+            kinds.append("remove node")
+        if self.faults["ray.kill trainer"] < self.trainer_kills and actors["trainer"]:
+            kinds.append("ray.kill trainer")
         kind = pick(self.random, kinds, wanted)
+        if kind == "remove node":
+            lost = self.nodes.pop(self.random.randrange(len(self.nodes)))
+            lost.lose()
+            self.nodes.append(self.add_node())
+            self.faults[kind] += 1
+            self.log.append({"time": time.time(), "fault": kind, "node": lost.label, "joined": self.nodes[-1].label})
+            return kind
+        if kind == "ray.kill trainer":  # the driver starts the run's actors again from the last checkpoint
+            name, namespace = actors["trainer"][0]
+            ray.kill(self._handle(name, namespace), no_restart=True)
+            self.faults[kind] += 1
+            self.log.append({"time": time.time(), "fault": kind, "actor": name})
+            return kind
         role = "rollout-server" if kind and "rollout server" in kind else "sandbox-runner"
         if kind is None or not actors[role]:
             return None
@@ -241,24 +295,42 @@ class Injector:
 
 def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[str], servers: int = 3,
               runners: int = 3, timeout: float = 3600.0, server_timeout: float = 10.0,
-              first: Sequence[str] = ()) -> dict:
+              first: Sequence[str] = (), nodes: int = 0, trainer_kills: int = 0) -> dict:
     """The pipeline under faults until it finishes (see the module docstring); returns faults and invariants.
 
-    ``first``: fault kinds injected before the seeded ones, in order (each once it is possible).
+    ``first``: fault kinds injected before the seeded ones, in order (each once it is possible); ``nodes``: worker
+    nodes beside the head, where the rollout servers and sandbox runners are spread (the ``rollout`` resource),
+    which "remove node" faults take away and replace; ``trainer_kills``: how many "ray.kill trainer" faults a run
+    may get.
     """
-    head = RayHead(cpus=8)
+    head = RayHead(cpus=8 if not nodes else 4)
     name = run_dir.resolve().name
     settings = [f"steps={steps}", f"servers={servers}", f"sandbox_runners={runners}", "server_cpus=0.5",
                 "sandbox_cpus=0.25", "verl_rows=true", "progress=false", f"server_timeout={server_timeout:g}",
-                *options]
+                *(["server_strategy=spread", "sandbox_strategy=spread", 'server_resources={"rollout": 1}',
+                   'sandbox_resources={"rollout": 1}'] if nodes else []), *options]
     command = [str(Path(sys.executable).parent / "dew-ray"), "rlvr", "--address", head.address,
                f"--run-dir={run_dir}", *[f"--set={item}" for item in settings]]
     rng = random.Random(seed)
     kill_after = rng.randint(2, max(2, steps - 2))  # the update after which the driver is killed, once
-    outputs, resumed_at, driver_runs = [], [], 0
+    outputs, resumed_at, driver_runs, recoveries = [], [], 0, 0
+    workers: list[RayWorkerNode] = []
     try:
         ray.init(address=head.address, log_to_driver=False, configure_logging=False)
-        injector = Injector(f"dew-rlvr-{name}-", seed + 1, servers, runners, server_timeout)
+        joined = 0
+
+        def add_node() -> RayWorkerNode:
+            nonlocal joined
+            joined += 1
+            node = RayWorkerNode(head.address, head.env, cpus=3, label=f"chaos-node-{joined}")
+            workers.append(node)
+            if not node.joined():
+                raise RuntimeError(f"worker node {node.label} did not join the cluster within 120 s")
+            return node
+
+        live = [add_node() for _ in range(nodes)]
+        injector = Injector(f"dew-rlvr-{name}-", seed + 1, servers, runners, server_timeout, nodes=live,
+                            add_node=add_node, trainer_kills=trainer_kills)
         injector.start()
         deadline = time.monotonic() + timeout
         driver_killed, scripted = False, list(first)
@@ -292,6 +364,7 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
             reader.join(timeout=10)
             outputs.append("".join(lines))
             resumed_at += [int(line.rsplit(" ", 1)[-1]) for line in lines if line.startswith("resumed ")]
+            recoveries += sum(line.startswith("a trainer was lost") for line in lines)
             if driver.returncode == -signal.SIGKILL:
                 continue
             break
@@ -300,12 +373,15 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        for node in workers:
+            node.lose()
         head.stop()
     invariants = check_run(run_dir, injector.versions, resumed_at, exit_code)
     return {"steps": steps, "seed": seed, "servers": servers, "runners": runners, "driver_runs": driver_runs,
             "faults": dict(injector.faults), "injected": sum(injector.faults.values()),
             "survived": sum(injector.faults.values()) if invariants["finished"]["ok"] else 0,
-            "resumed_at": resumed_at, "invariants": invariants, "log": injector.log,
+            "resumed_at": resumed_at, "recoveries": recoveries, "nodes": nodes, "invariants": invariants,
+            "log": injector.log,
             "last_output": outputs[-1][-3000:] if outputs else ""}
 
 
@@ -430,12 +506,15 @@ def main() -> None:
     parser.add_argument("--programs", type=int, default=200, help="programs of the sandbox part")
     parser.add_argument("--server-timeout", type=float, default=10.0,
                         help="the pools' server_timeout; the long stalls last 2.5 to 4 times it")
+    parser.add_argument("--nodes", type=int, default=0, help="worker nodes beside the head (node-loss faults)")
+    parser.add_argument("--trainer-kills", type=int, default=0, help="ray.kill faults of the trainer actor")
     parser.add_argument("--run-dir", default=None, help="default: a fresh runs/chaos-<seed>-<time>")
     parser.add_argument("--set", action="append", default=[], help="more pipeline config overrides")
     args = parser.parse_args()
     run_dir = Path(args.run_dir or ROOT / "runs" / f"chaos-{args.seed}-{int(time.time())}").resolve()
     began = time.perf_counter()
-    result = chaos_run(run_dir, args.steps, args.seed, args.every, args.set, server_timeout=args.server_timeout)
+    result = chaos_run(run_dir, args.steps, args.seed, args.every, args.set, server_timeout=args.server_timeout,
+                       nodes=args.nodes, trainer_kills=args.trainer_kills)
     result["sandbox"] = sandbox_chaos(args.programs, args.seed)
     result["seconds"] = time.perf_counter() - began
     print(f"\nchaos run {run_dir}: {args.steps} updates, seed {args.seed}, {result['driver_runs']} driver runs, "

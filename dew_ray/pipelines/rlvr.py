@@ -256,7 +256,7 @@ class RLVRPipeline:
         self._read_curve(self.step_count)  # a fresh run's step-0 point goes to the trackers too
         self._last = time.perf_counter()
         return {"restored": started[0]["restored"], "step": self.step_count, "width": plan.width,
-                "reward_before": self.reward_before, "parameters": sum(int(x.size) for x in _leaves(self.params))}
+                "reward_before": self.reward_before, "parameters": sum(int(x.size) for x in jax.tree.leaves(self.params))}
 
     def needs_warm_start(self) -> bool:
         """Whether ``start`` will run an SFT warm start (none has been written yet and the run asks for one)."""
@@ -329,8 +329,8 @@ class RLVRPipeline:
             tasks, verdicts = [], {}
             for theirs in reports:  # every process trained its own share of the batch
                 tasks += theirs.get("tasks", [])
-                for verdict, count in theirs.get("verdicts", {}).items():
-                    verdicts[verdict] = verdicts.get(verdict, 0) + count
+                for verdict, seen in theirs.get("verdicts", {}).items():
+                    verdicts[verdict] = verdicts.get(verdict, 0) + seen
             wall = now - self._last
             self._last = now
             row = {"step": metrics["step"], "updates": metrics["updates"], "wall": wall,
@@ -460,10 +460,6 @@ def _keep_lines(path, keep) -> list[dict]:
     kept = [line for line in lines if keep(line)]
     path.write_text("".join(json.dumps(line) + "\n" for line in kept))
     return kept
-
-
-def _leaves(tree):
-    return jax.tree.leaves(tree)
 
 
 def _init_template(model):
