@@ -61,16 +61,20 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
-import ray
+from dew_ray.ray_auth import token_auth
 
-from dew.inference.engines import free_port
-from dew.models.pretrained import Pretrained
-from dew.records.verl_rows import from_verl
-from dew.sandbox import ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict
-from processes import descendants, signal_process, stop_ray_head
+token_auth()  # the head and raylets this bench starts ask for Ray's token; the mode is read when ray is imported
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+import ray  # noqa: E402
+
+from dew.inference.engines import free_port  # noqa: E402
+from dew.models.pretrained import Pretrained  # noqa: E402
+from dew.records.verl_rows import from_verl  # noqa: E402
+from dew.sandbox import ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict  # noqa: E402
+from processes import descendants, signal_process, stop_ray_head  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -86,7 +90,7 @@ class RayHead:
     def __init__(self, cpus: int):
         self.temp_dir = tempfile.mkdtemp(prefix="dew-chaos-ray-")
         self.port = free_port()
-        self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "disabled"}
+        self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}}
         subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={self.port}",
                         f"--num-cpus={cpus}", f"--temp-dir={self.temp_dir}", "--include-dashboard=false",
                         "--disable-usage-stats"], check=True, env=self.env, capture_output=True, timeout=180)

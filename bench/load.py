@@ -289,7 +289,6 @@ def main() -> None:
     args = parser.parse_args()
 
     front = front_load(args.requests, args.concurrency, waves=args.waves)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         rollout = rollout_load(sharp_task(), args.draws, args.servers, args.slots)

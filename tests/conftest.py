@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dew_ray.ray_auth import token_auth
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # One persistent JAX compilation cache for the session, shared by this process and every process it starts (pipeline
@@ -22,6 +24,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # tiny models compile fast, but often
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Every Ray cluster of the session authenticates with Ray's token (the multi-node clusters' raylets listen beyond
+# loopback), and every process the tests start inherits the mode. Set before anything imports ray.
+token_auth()
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,12 +161,10 @@ def sharp_decoder():
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster for one test module (4 logical CPUs; token authentication off, as for local clusters)."""
-    import os
-
+    """A local Ray cluster for one test module (4 logical CPUs; Ray's token authentication on, as for every cluster
+    of the session)."""
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()

@@ -69,7 +69,7 @@ def leaves(tree):
 def test_dew_ray_chain_trains_each_stage_from_the_last_and_a_rerun_restores(tmp_path):
     model = write_model(tmp_path / "model")
     config = chain_file(tmp_path, model, *write_data(tmp_path))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, "-m", "dew_ray.cli", "chain", "--config", str(config)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -130,7 +130,7 @@ def test_the_chain_runs_as_a_submitted_ray_job(tmp_path):
     config = chain_file(tmp_path, model, *write_data(tmp_path))
     temp_dir, dashboard, port = f"/tmp/dew-chain-head-{free_port()}", free_port(), free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "VIRTUAL_ENV")}
-    env["RAY_AUTH_MODE"] = "disabled"
+    env["RAY_AUTH_MODE"] = "token"  # conftest made Ray's token (token_auth)
     lines = [f"uv run ray start --head --num-cpus 2 --port {port} --dashboard-port {dashboard} --temp-dir {temp_dir}",
              f"uv run ray job submit --address http://127.0.0.1:{dashboard} --working-dir . -- "
              f"python -m dew_ray.pipelines.chain --config {config} --set run_dir={tmp_path / 'submitted'} "

@@ -209,3 +209,48 @@ def test_a_front_beyond_loopback_needs_an_api_key():
     assert check_exposure("0.0.0.0", "one", False) == ["one"]
     with pytest.raises(ValueError, match="API keys must be non-empty strings"):
         check_exposure("127.0.0.1", [""], False)
+
+
+def test_the_vllm_guard_asks_for_the_key_on_every_route_but_health(monkeypatch):
+    """The middleware dew loads into the vLLM engines it launches beyond loopback (vLLM's own key guards /v1 only),
+    called as vLLM's ASGI server calls it; the live engines' refusals are in the vLLM pipeline test."""
+    import asyncio
+    import importlib.util
+
+    from dew.inference.engines import GUARDED, VLLMEngine
+
+    spec = importlib.util.spec_from_file_location("dew_vllm_guard", GUARDED / "dew_vllm_guard.py")
+    guard = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guard)
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    def status(path: str, authorization: str | None) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"authorization", authorization.encode())] if authorization else []
+        scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"host", b"x"), *headers]}
+        asyncio.run(guarded(scope, None, send))
+        return sent[0]["status"]
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="needs VLLM_API_KEY"):
+        guard.EveryRoute(app)
+    monkeypatch.setenv("VLLM_API_KEY", "the-key")
+    guarded = guard.EveryRoute(app)
+    for path in ("/pause", "/collective_rpc", "/update_weights", "/v1/completions", "/metrics", "/"):
+        for authorization in (None, "Bearer other", "Basic the-key", "the-key"):
+            assert status(path, authorization) == 401, (path, authorization)
+        assert status(path, "Bearer the-key") == 200 and reached[-1] == path
+    assert status("/health", None) == 200
+    assert reached.count("/pause") == 1  # nothing refused reached the engine
+
+    # an engine beyond loopback is refused without a key before anything starts
+    with pytest.raises(ValueError, match="beyond loopback, with its development routes"):
+        VLLMEngine("/nonexistent", host="10.0.0.12")

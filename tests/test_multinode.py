@@ -34,7 +34,6 @@ ON_ROLLOUT_NODES = {"trainer_resources": {"trainer": 1}, "server_resources": {"r
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"trainer": 1},
                                                             "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=2, resources={"rollout": 4}) for _ in range(2)]
@@ -61,6 +60,11 @@ def wait_for(condition, within: float) -> bool:
 
 def test_a_run_directory_one_node_does_not_share_is_refused_naming_the_node(three_nodes, tmp_path):
     cluster, _ = three_nodes
+    # the cluster's processes listen beyond loopback (its address is the machine's): without Ray's token, refused
+    refused = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={cluster.address!r})"],
+                             env={**os.environ, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode != 0 and "InvalidAuthToken" in refused.stderr, refused.stderr[-2000:]
     run_dir = tmp_path / "unshared"
     run_dir.mkdir()
     # a raylet whose processes see an empty private directory where the driver's run directory is

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from conftest import ROOT, free_port, import_from, make_parity_judge  # noqa: E4
 
 from dew.collection.scoring import completion_ids  # noqa: E402
 from dew.data.verifiable import task_tokenizer  # noqa: E402
+from dew.inference import wire  # noqa: E402
 from dew.recipes.run_inputs import load_tokenizer  # noqa: E402
 from dew.records.verl_rows import from_verl, to_verl  # noqa: E402
 from dew_ray.pipelines.rlvr import RLVRPipeline, RLVRPipelineConfig, load_config  # noqa: E402
@@ -102,7 +105,6 @@ def scrape(port: int, names: list[str], expect: dict[str, float], timeout: float
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tmp_path, qwen3_gsm8k):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     port = free_port()
     ray.init(num_cpus=3, include_dashboard=False, _metrics_export_port=port, log_to_driver=False,
              configure_logging=False)
@@ -194,7 +196,6 @@ def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(
     from dew.inference.engines import build_engine_env, engine_python
 
     engine_python("vllm") or build_engine_env("vllm")  # .ci/run builds it first; a failed build fails here
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
     run = tmp_path / "run"
     try:
@@ -205,6 +206,17 @@ def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(
             pipeline.start()
             engine = pipeline.actors.servers[0]
             assert ray.get(engine.healthy.remote())
+            # the engines listen on the node's address: without the run's key, every route but /health is refused
+            url = pipeline.setup.engines[0]
+            assert not wire.loopback(urllib.parse.urlsplit(url).hostname)
+            for path, body in (("/pause?mode=wait", {}), ("/collective_rpc", {"method": "reload_weights"}),
+                               ("/reset_prefix_cache", {}), ("/v1/completions", {"model": "dew-rlvr", "prompt": [1]})):
+                request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                                 headers={"Content-Type": "application/json"})
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(request, timeout=30)
+                assert refused.value.code == 401, path
+            assert urllib.request.urlopen(url + "/health", timeout=30).status == 200
             group = ray.get(engine.process_group.remote())
             assert len(processes.group_processes(group)) >= 3  # the guard, vLLM's API server, its engine core and worker
             rows = pipeline.step(4)
@@ -248,6 +260,9 @@ def test_cluster_configs_are_valid_for_ray_and_kuberay():
     jsonschema.validate(launcher, schema)  # the schema that ships inside the ray package
     validate_config(prepare_config(launcher))  # and with the launcher's defaults filled in, as `ray up` does
     assert any("uv sync" in command for command in launcher["setup_commands"])
+    starts = [c for c in launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"] if "ray start" in c]
+    assert len(starts) == 2 and all("RAY_AUTH_MODE=token " in command for command in starts)  # every node asks
+    assert launcher["file_mounts"]["/home/ubuntu/.ray/auth_token"] == "~/.ray/auth_token"  # for the same token
 
     for name in ("rayjob.yaml", "rayjob-vllm-gpu.yaml"):
         job = yaml.safe_load((ROOT / "cluster_configs" / name).read_text())
@@ -268,7 +283,8 @@ def test_cluster_configs_are_valid_for_ray_and_kuberay():
         gpus = sum(float(group["rayStartParams"].get("num-gpus", 0)) * group["maxReplicas"]
                    for group in cluster["workerGroupSpecs"])
         assert config.servers * config.server_gpus <= gpus
-        assert yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]["RAY_AUTH_MODE"] == "disabled"
+        assert cluster["authOptions"] == {"mode": "token"}  # KubeRay makes the token and sets it on every pod
+        assert "RAY_AUTH_MODE" not in yaml.safe_load(job["spec"]["runtimeEnvYAML"]).get("env_vars", {})
     assert (config.engine, config.server_gpus) == ("vllm", 1.0)  # the GPU variant: one GPU per vLLM engine
 
 
@@ -278,7 +294,8 @@ def readme_submit_lines() -> list[str]:
     text = (ROOT / "README.md").read_text()
     block = next(b for b in text.split("```bash\n")[1:] if "ray job submit" in b.split("```")[0]).split("```")[0]
     lines = block.replace("\\\n", " ").strip().splitlines()
-    assert "ray stop" in lines[-1] and "ray start --head" in lines[0] and "ray job submit" in lines[1], lines
+    assert "get-auth-token --generate" in lines[0] and "ray start --head" in lines[1], lines
+    assert "ray job submit" in lines[2] and "ray stop" in lines[-1], lines
     return lines[:-1]
 
 
@@ -319,7 +336,7 @@ def test_the_readme_job_submit_lines_work_as_written_on_this_machine():
     and reads the outputs where the README says they are; then a relative run_dir under a submitted job is refused
     before any work starts, with the advice the README gives."""
     lines = readme_submit_lines()
-    temp_dir = lines[0].split("--temp-dir")[1].split()[0]
+    temp_dir = lines[1].split("--temp-dir")[1].split()[0]
     outputs = ROOT / "runs" / "jobsub"
     shutil.rmtree(outputs, ignore_errors=True)
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "VIRTUAL_ENV")}
@@ -334,7 +351,16 @@ def test_the_readme_job_submit_lines_work_as_written_on_this_machine():
         assert (outputs / "policy" / "model.safetensors").exists() and (outputs / "rlvr.png").exists()
         steps = [json.loads(line)["step"] for line in (outputs / "metrics.jsonl").read_text().splitlines()]
         assert steps == [1, 2, 3, 4, 5, 6]
-        relative = lines[1].replace("run_dir=$PWD/runs/jobsub", "run_dir=runs/jobsub-relative")
+        # the head asks for Ray's token: the same job list without it is refused
+        unauthenticated = subprocess.run(["bash", "-c", "uv run ray job list --address http://127.0.0.1:8265"],
+                                         cwd=ROOT, env={**env, "RAY_AUTH_MODE": "disabled"}, capture_output=True,
+                                         text=True, timeout=120)
+        assert unauthenticated.returncode != 0, unauthenticated.stdout[-2000:]
+        assert "auth" in (unauthenticated.stdout + unauthenticated.stderr).lower()
+        listed = subprocess.run(["bash", "-c", "RAY_AUTH_MODE=token uv run ray job list --address http://127.0.0.1:8265"],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert listed.returncode == 0 and "SUCCEEDED" in listed.stdout, listed.stdout[-2000:] + listed.stderr[-2000:]
+        relative = lines[2].replace("run_dir=$PWD/runs/jobsub", "run_dir=runs/jobsub-relative")
         refused = subprocess.run(["bash", "-c", relative], cwd=ROOT, env=env, capture_output=True, text=True,
                                  timeout=600)
         said = refused.stdout + refused.stderr
@@ -354,7 +380,7 @@ def test_a_killed_main_job_resumes_from_its_checkpoint():
     last checkpoint the kill left, keeps the rows up to it as they were, trains each update once, and ends on the
     parameters of an uninterrupted run (synchronous schedule: every batch drawn under one version, so runs draw
     alike). Then the uninterrupted run's exported policy reads back as a user's model."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     name = f"kill-test-{os.getpid()}"
     # 80 warm-start steps from a teacher without slips: about half the training rewards are 1, so groups are
@@ -676,7 +702,6 @@ def test_environment_and_judge_fields_are_checked_before_any_work(tmp_path, pari
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_pipeline_runs_a_users_multi_turn_environment_scored_by_a_model_judge(tmp_path):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     factory = tmp_path / "two_turns.py"
     factory.write_text(TWO_TURNS)
     # A judge whose verdict is known in advance: yes ("是") when its prompt's last id is even, no ("否") when odd.

@@ -19,6 +19,10 @@ environment (the ``vllm`` console script looks for a distribution named ``vllm``
 CPU wheel is not) on a model directory, with the development endpoints on
 (``VLLM_SERVER_DEV_MODE=1``) for the reload sequence, waits for ``/health``, and kills its
 process group on ``close``. Its log goes to ``log`` (default: a file beside the model).
+Those endpoints run whatever weights and calls they are sent, so an engine on an address
+beyond loopback needs ``api_key``: vLLM's own key guards ``/v1``, and the middleware
+``dew/inference/engine_side/dew_vllm_guard.py`` every other route but ``/health``; this
+process's calls to the engine carry the key (:func:`~dew.inference.wire.authorize`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dew.inference.wire import EngineError, call
+from dew.inference.wire import EngineError, authorize, call, loopback
 
 RECIPES = {
     "vllm": {
@@ -137,6 +141,8 @@ def build_engine_env(engine: str, python: str | None = None, quiet: bool = True)
 # that started the guard (``argv[1]``) dies; standard library only, so any environment's Python runs it.
 # Ray SIGKILLs an actor's direct children when the actor dies, the guard among them, so the engine's server
 # process also gets SIGTERM when the guard dies, and shuts its engine core and workers down itself.
+GUARDED = Path(__file__).parent / "engine_side"  # dew_vllm_guard.py, alone on the engine's PYTHONPATH
+
 GUARD = """
 import ctypes, os, signal, subprocess, sys
 parent = int(sys.argv[1])
@@ -201,7 +207,13 @@ class VLLMEngine:
                  dtype: str = "float32", max_model_len: int = 256, max_num_seqs: int = 64, args: Sequence[str] = (),
                  python: str | Path | None = None, kv_cache_gib: int = 1, memory_share: float = 0.2,
                  log: str | Path | None = None, startup_timeout: float = 300.0, env: dict | None = None,
-                 tokenizer: bool = False):
+                 tokenizer: bool = False, api_key: str | None = None, unauthenticated: bool = False):
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ValueError("VLLMEngine api_key must be a non-empty string")
+        if api_key is None and not unauthenticated and not loopback(host):
+            raise ValueError(f"a vLLM engine would listen on {host!r}, beyond loopback, with its development routes "
+                             "(pause, reload, collective_rpc) open: give api_key, or unauthenticated=True if "
+                             "everyone who reaches that address may drive the engine")
         python = python or vllm_python()
         if python is None:
             raise FileNotFoundError(
@@ -221,6 +233,12 @@ class VLLMEngine:
         ]
         environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1",
                        **(env or {})}
+        environment.pop("VLLM_API_KEY", None)  # a key is the caller's choice (api_key), not an inherited one
+        if api_key is not None:
+            command += ["--middleware", "dew_vllm_guard.EveryRoute"]
+            environment["VLLM_API_KEY"] = api_key  # read by vLLM and by the guard: never on a command line
+            environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(GUARDED), environment.get("PYTHONPATH")]))
+            authorize(f"http://{host}:{self.port}", api_key)
         self.command = command
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen([str(python), "-c", GUARD, str(os.getpid()), *command], stdout=self._log,

@@ -47,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import json
 import os
 import time
@@ -61,6 +60,7 @@ import numpy as np
 
 from dew.inference.background import BackgroundServer
 from dew.inference.rollout_server import Draw, NativeRolloutServer
+from dew.inference.wire import loopback
 from dew.sampling import Sampling, filtered_logits
 
 MAX_N = 64  # draws one request may ask for
@@ -363,16 +363,6 @@ def check_exposure(host: str, api_keys: Sequence[str] | str, unauthenticated: bo
                          "(dew-ray serve --api-key, OpenAIFront api_keys), or --unauthenticated "
                          "(unauthenticated=True) if everyone who reaches that address may use the model")
     return keys
-
-
-def loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address (or "localhost"), reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name other than localhost: whatever it resolves to, it is not known to be loopback
-        return False
 
 
 def _body(handler: BaseHTTPRequestHandler) -> bytes:

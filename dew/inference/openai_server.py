@@ -44,7 +44,7 @@ import openai
 from dew.inference.publisher import WeightPublisher
 from dew.inference.engine_rollout_server import EngineRolloutServer, decode_routed_experts, sampling_params
 from dew.inference.rollout_server import Draw
-from dew.inference.wire import EngineError
+from dew.inference.wire import EngineError, api_key
 from dew.records.actions import token_ids
 from dew.sampling import Sampling
 from dew.validation import one_of
@@ -53,9 +53,10 @@ PROVIDERS = ("vllm", "sglang")
 
 
 def engine_client(url: str):
-    """The official ``openai`` client for an engine's root URL (``http://host:port``): no key, no retries
-    (a failed request is the rollout's to report, not the client's to repeat)."""
-    return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key="none", max_retries=0)
+    """The official ``openai`` client for an engine's root URL (``http://host:port``): the key :func:`authorize`
+    gave that engine (none otherwise), no retries (a failed request is the rollout's to report, not the client's
+    to repeat)."""
+    return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key(url) or "none", max_retries=0)
 ID_FIELD = {"vllm": "return_tokens_as_token_ids", "sglang": "return_token_ids"}
 
 

@@ -4,14 +4,57 @@ Every remote piece of dew.inference (the vLLM and SGLang rollout servers, the re
 publishers, the landing check) talks to engines through :func:`call`, and every failure
 it reports is an :class:`EngineError` whose message starts with the URL it called, so a
 log line says which replica of which fleet refused what.
+
+An engine that asks for an API key (a vLLM engine dew launched on a node's address, see
+:class:`~dew.inference.VLLMEngine`) is named once per process with :func:`authorize`; from
+then on every call to that engine (its scheme, host and port), :func:`call`'s and the
+``openai`` client's that :func:`~dew.inference.engine_client` builds, carries
+``Authorization: Bearer <key>``, as a ``.netrc`` holds a host's credentials for every tool
+that reaches it.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
+
+_KEYS: dict[str, str] = {}  # "scheme://host:port" -> the engine's API key, for this process
+_KEYS_LOCK = threading.Lock()
+
+
+def _origin(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+def authorize(url: str, key: str) -> None:
+    """Send ``Authorization: Bearer key`` with every later call from this process to the engine at ``url``
+    (its scheme, host and port: ``http://10.0.0.5:8000`` or any URL under it)."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"the API key for {url} must be a non-empty string")
+    with _KEYS_LOCK:
+        _KEYS[_origin(url)] = key
+
+
+def api_key(url: str) -> str | None:
+    """The key :func:`authorize` gave the engine at ``url``, or None."""
+    with _KEYS_LOCK:
+        return _KEYS.get(_origin(url))
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or "localhost"), reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: whatever it resolves to, it is not known to be loopback
+        return False
 
 
 class EngineError(RuntimeError):
@@ -35,7 +78,10 @@ def call(url: str, body: Any = None, *, method: str = "POST", timeout: float = 1
     within ``timeout`` seconds, raises EngineUnreachable.
     """
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if key := api_key(url):
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, _parse(response.read())

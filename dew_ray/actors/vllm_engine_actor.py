@@ -33,6 +33,7 @@ from dew.inference import (
     VLLMEngine,
     engine_client,
 )
+from dew.inference.wire import authorize
 from dew.models.pretrained import Pretrained
 from dew.sampling import Sampling
 from dew.validation import positive_int
@@ -45,7 +46,8 @@ class VLLMEngineHost:
         if threads is None and ray.is_initialized():
             threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-        # The engine is reached from other nodes' trainers: listen on this node's address unless told otherwise.
+        # The engine is reached from other nodes' trainers: listen on this node's address unless told otherwise
+        # (VLLMEngine then asks for api_key, which every route but /health requires).
         host = host or (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
         self.engine = VLLMEngine(model, name=name, dtype=dtype, max_model_len=max_model_len, args=args, env=env,
                                  host=host, **options)
@@ -85,15 +87,19 @@ def start_vllm_engines(model: str, count: int, *, name: str = "dew", placement=N
 
 def vllm_rollouts(pretrained: Pretrained, directory: str, urls: Sequence[str], sampling: Sampling, *,
                   name: str = "dew", version: int = 0, served_dtype: str = "float32",
-                  nccl_library: str | None = None, timeout: float | None = None) -> EnginePool:
+                  nccl_library: str | None = None, timeout: float | None = None,
+                  api_key: str | None = None) -> EnginePool:
     """Rollouts from vLLM engines at ``urls`` serving ``directory``, published by a SafetensorsReload there,
     or, with ``nccl_library`` (the engines' own ``libnccl.so.2``), by an NCCLPush from this process's first GPU;
-    ``timeout``: the EnginePool's (how long an engine may answer nothing before it is set aside).
+    ``timeout``: the EnginePool's (how long an engine may answer nothing before it is set aside);
+    ``api_key``: the engines' key (``VLLMEngine(api_key=...)``), sent with every call this process makes to them.
 
     The engines must run with ``--logprobs-mode processed_logprobs`` when ``sampling``
     transforms (OpenAIRolloutServer's rule), and with ``--weight-transfer-config
     '{"backend": "nccl"}'`` for the NCCL push; the publisher checks every push landed.
     """
+    for url in urls if api_key is not None else ():
+        authorize(url, api_key)
     if nccl_library is not None:
         push = NCCLPush(pretrained, list(urls), nccl_library, served_dtype=served_dtype)
     else:

@@ -24,6 +24,7 @@ sandbox runners, environment workers and judge servers with ``max_restarts=resta
 from __future__ import annotations
 
 import functools
+import secrets
 
 import ray
 
@@ -99,9 +100,11 @@ class RLVRActors:
             directory = engine_policy(setup.run_dir)
             SafetensorsReload(setup.pretrained, directory, [], "vllm").write(params)
             setup.tokenizer.save_pretrained(directory)  # the engines load the run's tokenizer beside the weights
+            # the engines listen on their nodes' addresses: every route but /health asks for the run's key
+            setup.engine_key = secrets.token_urlsafe(32)
             actors, setup.engines = start_vllm_engines(
                 directory, config.servers, name=ENGINE_MODEL, dtype=config.engine_dtype, max_model_len=setup.width,
-                max_num_seqs=config.slots, args=engine_args(config), placement=placement,
+                max_num_seqs=config.slots, args=engine_args(config), placement=placement, api_key=setup.engine_key,
                 **({"python": config.engine_python} if config.engine_python else {}))
             # The driver's own pushes (the final policy, for the held-out measure) go through the disk whatever
             # engine_push the trainers use: the driver holds no GPU to broadcast from.

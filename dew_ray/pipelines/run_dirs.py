@@ -119,7 +119,9 @@ def _excludes(run_dir: Path) -> list[str]:
 
 def start_ray(address: str | None, run_dir: Path, cpus_reserved: float) -> None:
     """Attach to ``address`` (or RAY_ADDRESS), or start a local cluster for this run."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster of this run only
+    # RAY_AUTH_MODE is left to the user and to Ray: a local cluster Ray starts turns token authentication on
+    # (its raylets and GCS listen on every interface, loopback address or not), and an existing cluster's mode
+    # is the one it was started with (RAY_AUTH_MODE=token and the token in ~/.ray/auth_token or RAY_AUTH_TOKEN).
     address = address or os.environ.get("RAY_ADDRESS")
     # A local cluster gets as many logical CPUs as the run reserves (at least the machine's cores):
     # they are scheduling tokens, and the roles share the cores as any processes do.
