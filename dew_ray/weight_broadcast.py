@@ -73,6 +73,22 @@ class WeightBroadcast(WeightPublisher):
         """Whether this broadcast has published weights it can bring a rejoining actor to."""
         return self._newest is not None
 
+    def add(self, actor, name: str) -> None:
+        """A new actor ``name``, set aside until ``rejoin(name)`` loads it with the newest weights."""
+        with self._lock:
+            if name in self.names:
+                raise ValueError(f"the broadcast already publishes to an actor named {name!r}")
+            self.actors.append(actor)
+            self.names.append(name)
+            self.aside.add(name)
+
+    def remove(self, name: str) -> None:
+        """Publish to actor ``name`` no more."""
+        with self._lock:
+            index = self.names.index(name)
+            del self.actors[index], self.names[index]
+            self.aside.discard(name)
+
     def set_aside(self, name: str) -> None:
         """Leave ``name`` out of loads until ``rejoin(name)`` (its owner found it not answering)."""
         with self._lock:

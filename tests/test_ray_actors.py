@@ -348,6 +348,40 @@ def test_a_restarted_rollout_server_loads_the_current_weights_before_it_draws(cl
         ray.kill(server.actor)
 
 
+def test_a_server_added_mid_run_loads_the_newest_weights_first_and_a_removed_one_drains(cluster, serving,
+                                                                                           endless, sharp_decoder):
+    """A server joins a pool that has published version 1: it starts stale (serving its creation weights, version
+    0), loads version 1 before its first draw, then takes its share. A removed server takes no new draw; its draws
+    in flight fail as ServerDied once the drain timeout passes, and the others take them."""
+    pool = start_rollout_servers(endless, count=1, slots=2, capacity=64, version=0, num_cpus=0.5, timeout=5)
+    pool.load(sharp_decoder[1], 1)
+    joining = RolloutServerActor.options(num_cpus=0.5).remote(pool.held, 2, 64, version=0, stale=True)
+    pool.add(joining, "rollout server 1")
+    assert _wait_until(lambda: pool.live() == [0, 1], within=60), (pool.live(), pool.aside())
+    assert tuple(ray.get(joining.serving.remote())) == (1, False)
+    draws = [pool.submit([20, 21], 4, seed=s) for s in range(8)]
+    assert all(d.result(60).version == 1 for d in draws)
+    assert ray.get(joining.in_flight.remote()) == 0 and len(pool.servers) == 2
+
+    long = [pool.submit([20, 21], 60, seed=s) for s in range(4)]  # two on each server
+    time.sleep(0.5)
+    moved = pool.remove("rollout server 1", timeout=0.2)
+    assert moved >= 1 and pool.live() == [0]
+    outcomes = []
+    for draw in long:
+        try:
+            outcomes.append(len(draw.result(120).ids))
+        except ServerDied as error:
+            assert "was removed from the pool" in str(error)
+            outcomes.append("moved")
+    assert outcomes.count("moved") == moved
+    pool.load(sharp_decoder[1], 2)  # the removed server is published to no more
+    assert ray.get(joining.version.remote()) == 1 and ray.get(pool.servers[0].actor.version.remote()) == 2
+    pool.close()
+    for actor in (pool.servers[0].actor, joining):
+        ray.kill(actor)
+
+
 def test_environment_workers_run_sessions_and_the_scheduler_trains_through_them(cluster, serving, sharp_decoder):
     """Sessions of the multi-turn counting tool on two EnvironmentWorkers over one RolloutServerActor; then a
     worker is killed with sessions running: they come back INFRA_ERROR and the survivor takes later ones."""

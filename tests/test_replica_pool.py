@@ -171,3 +171,47 @@ def test_bad_pools_are_refused_by_name():
         ReplicaPool(["a"], timeout=5)
     with pytest.raises(ValueError, match="timeout must be"):
         ReplicaPool(["a"], timeout=0, probe=lambda index, wait: 0)
+
+
+def spread(pool, pieces: int) -> set[int]:
+    """The replicas ``pieces`` pieces in flight at once go to (all end afterwards)."""
+    tickets = [pool.take() for _ in range(pieces)]
+    for ticket in tickets:
+        pool.release(ticket)
+    return {ticket.replica for ticket in tickets}
+
+
+def test_an_added_replica_takes_pieces_once_it_has_caught_up_and_a_retired_one_never_again():
+    replicas = Scripted(2)
+    caught_up = threading.Event()
+    replicas.rejoin_says = lambda index, served: caught_up.is_set()
+    pool = replicas.pool(timeout=0.2)
+    replicas.answers.append("serving 0")
+    added = pool.add("replica 2")
+    assert added == 2 and pool.aside() == [2] and pool.live() == [0, 1]  # probed, not caught up yet
+    assert until(lambda: (2, "serving 0") in replicas.rejoined)
+    assert spread(pool, 6) == {0, 1}  # nothing goes to it meanwhile
+    caught_up.set()
+    assert until(lambda: pool.live() == [0, 1, 2], seconds=5)
+    with pytest.raises(ValueError, match="already has a replica named 'replica 2'"):
+        pool.add("replica 2")
+
+    held = [pool.take(), pool.take()]
+    busy = pool.take()
+    assert sorted(t.replica for t in held) == [0, 1] and busy.replica == 2  # the newcomer takes its share
+    for ticket in held:
+        pool.release(ticket)
+    abandoned = []
+    pool.attach(busy, abandoned.append)
+    finished = threading.Thread(target=lambda: (time.sleep(0.2), pool.release(busy)))
+    finished.start()
+    assert pool.retire(2, timeout=5) == 0 and not abandoned  # its piece finished within the timeout
+    finished.join()
+    assert pool.live() == [0, 1] and pool.retired() == [2] and 2 not in pool.aside()
+    assert spread(pool, 6) == {0, 1}
+
+    slow = pool.take()
+    pool.attach(slow, abandoned.append)
+    assert pool.retire(slow.replica, timeout=0.1) == 1 and "was removed from the pool" in str(abandoned[0])
+    assert pool.live() == [1 - slow.replica]
+    pool.close()

@@ -24,6 +24,11 @@ the pool does the rest, the same way for all of them:
   again on the others), no piece goes to it, and ``on_aside(index)`` tells the publisher to
   leave it out of weight loads. :meth:`~ReplicaPool.set_aside` does the same for a silence found
   elsewhere (a load it did not answer).
+- **membership**: :meth:`~ReplicaPool.add` brings a new replica in set aside, so it takes no
+  piece before its first probe answers and ``rejoin`` has brought it to the newest weights;
+  :meth:`~ReplicaPool.retire` takes one out for good: no new piece goes to it, its pieces in
+  flight finish (or, past a timeout, are abandoned and run again elsewhere), and it is never
+  probed again.
 - **rejoin**: a replica set aside is probed until it answers; then ``rejoin(index, served)``
   (``served``: what the probe answered, the version it serves where it knows one) brings it to
   the newest weights and says whether it serves them. On True it takes pieces again; on False
@@ -94,11 +99,13 @@ class ReplicaPool:
         self._answered = [time.monotonic()] * count
         self._dead: set[int] = set()
         self._aside: set[int] = set()
+        self._retired: set[int] = set()
         self._probing: set[int] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._checks = ThreadPoolExecutor(1, thread_name_prefix="dew-pool-liveness") if probe else None
-        self._probes = ThreadPoolExecutor(count, thread_name_prefix="dew-pool-probe") if probe else None
+        # one thread per replica being probed, with room for replicas added later (threads start only when used)
+        self._probes = ThreadPoolExecutor(count + 32, thread_name_prefix="dew-pool-probe") if probe else None
         if timeout is not None:
             threading.Thread(target=self._watch, name="dew-pool-watch", daemon=True).start()
 
@@ -112,7 +119,8 @@ class ReplicaPool:
 
     def _live(self) -> list[int]:
         """Under the lock: the replicas that take work."""
-        return [i for i in range(len(self.names)) if not self._is_dead(i) and i not in self._aside]
+        return [i for i in range(len(self.names))
+                if not self._is_dead(i) and i not in self._aside and i not in self._retired]
 
     def live(self) -> list[int]:
         """The replicas that take work: not dead, not set aside."""
@@ -124,9 +132,44 @@ class ReplicaPool:
             return [i for i in range(len(self.names)) if self._is_dead(i)]
 
     def aside(self) -> list[int]:
-        """The replicas set aside for not answering (and not dead)."""
+        """The replicas set aside for not answering, or added and not caught up yet (not dead, not retired)."""
         with self._lock:
-            return sorted(i for i in self._aside if not self._is_dead(i))
+            return sorted(i for i in self._aside if not self._is_dead(i) and i not in self._retired)
+
+    def retired(self) -> list[int]:
+        with self._lock:
+            return sorted(self._retired)
+
+    # ----- membership ----------------------------------------------------------------------------
+
+    def add(self, name: str) -> int:
+        """A new replica ``name``; returns its index. It takes pieces once its probe answers and ``rejoin`` says it
+        serves the newest weights (without a probe, at once)."""
+        with self._lock:
+            if str(name) in self.names:
+                raise ValueError(f"the pool already has a {self.what} named {name!r}")
+            self.names.append(str(name))
+            self._pending.append(set())
+            self._answered.append(time.monotonic())
+            index = len(self.names) - 1
+            if self._probe is not None:
+                self._aside.add(index)
+        self._probe_soon(index)
+        return index
+
+    def retire(self, index: int, timeout: float) -> int:
+        """Take replica ``index`` out for good: no new piece goes to it, the pieces in flight get up to ``timeout``
+        seconds to finish, and those still running then are abandoned (their callers run them again on the
+        others). Returns how many were abandoned."""
+        with self._lock:
+            if index in self._retired:
+                return 0
+            self._retired.add(index)
+        deadline = time.monotonic() + timeout
+        while self.in_flight(index) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._abandon(index, ServerDied(f"{self.names[index]} was removed from the pool; its {self.work} "
+                                               "go to the others"))
 
     def in_flight(self, index: int) -> int:
         with self._lock:
@@ -196,7 +239,7 @@ class ReplicaPool:
         """Stop giving work to replica ``index`` (silent: ``why``): abandon its pieces, tell ``on_aside``, probe it
         until it answers and rejoins."""
         with self._lock:
-            if self._is_dead(index) or index in self._aside:
+            if self._is_dead(index) or index in self._aside or index in self._retired:
                 return
             self._aside.add(index)
         if self._on_aside is not None:
@@ -256,7 +299,7 @@ class ReplicaPool:
         while not self._closed.wait(min(1.0, self.timeout / 4)):
             for index in range(len(self.names)):
                 with self._lock:
-                    quiet = (not self._is_dead(index) and index not in self._aside | self._probing
+                    quiet = (not self._is_dead(index) and index not in self._aside | self._probing | self._retired
                              and self._silent_for(index) >= self.timeout)
                 if quiet:
                     self._probe_soon(index)
@@ -265,7 +308,7 @@ class ReplicaPool:
         if self._probes is None:
             return
         with self._lock:
-            if index in self._probing or self._closed.is_set():
+            if index in self._probing or index in self._retired or self._closed.is_set():
                 return
             self._probing.add(index)
         if not self._submit(self._probes, self._probe_until_settled, index):
@@ -277,7 +320,7 @@ class ReplicaPool:
         does not."""
         name = self.names[index]
         try:
-            while not self._closed.is_set():
+            while not self._closed.is_set() and index not in self._retired:
                 asked = time.monotonic()
                 try:
                     served = self._probe(index, self.timeout)

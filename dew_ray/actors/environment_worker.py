@@ -69,6 +69,16 @@ class EnvironmentWorkerHost:
     async def in_flight(self) -> int:
         return len(self._sessions)
 
+    async def add_servers(self, pairs: list) -> None:
+        """Rollout servers joining the worker's pool (see :meth:`ServerPool.add`)."""
+        for name, actor in pairs:
+            self.pool.add(actor, name)
+
+    async def remove_servers(self, names: list[str], timeout: float) -> int:
+        """Take servers out of the worker's pool (see :meth:`ServerPool.remove`)."""
+        loop = asyncio.get_running_loop()
+        return sum([await loop.run_in_executor(None, self.pool.remove, name, timeout) for name in names])
+
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.source.close)
         self.pool.close()

@@ -85,8 +85,9 @@ class RolloutServerHost:
 
     def __init__(self, task: ServingTask, slots: int, capacity: int, lanes: int = 1, version: int = 0,
                  http: bool = False, tokenizer=None, host: str = "127.0.0.1", landing: LandingCheck | None = None,
-                 pushed: bool = True, api_keys: Sequence[str] = ()):
-        self.stale = pushed and restarted_actor()
+                 pushed: bool = True, api_keys: Sequence[str] = (), stale: bool = False):
+        # stale: it joins a running pool and serves nothing before its first load
+        self.stale = stale or (pushed and restarted_actor())
         self.rollout = NativeRolloutServer(Server.from_task(task, slots=slots, capacity=capacity, lanes=lanes),
                                            version=version, landing=landing)
         self._draws = KeyedCalls(self.rollout.cancel)
@@ -261,6 +262,26 @@ class ServerPool(PooledRolloutServer):
     @property
     def version(self) -> int:
         return self.publisher.version
+
+    def add(self, actor, name: str) -> int:
+        """A RolloutServerActor joining mid-run; it takes draws once it has loaded the newest weights this pool
+        published (start it with ``stale=True`` so that it refuses draws until a load reaches it)."""
+        server = RemoteRolloutServer(actor, name, publisher=self.publisher)
+        server.on_restart = None
+        self.publisher.add(actor, name)
+        self.servers.append(server)
+        index = self.replicas.add(name)
+        server.on_restart = functools.partial(self.replicas.set_aside, index)
+        return index
+
+    def remove(self, name: str, timeout: float) -> int:
+        """Take server ``name`` out: no new draw goes to it, its draws in flight get ``timeout`` seconds to finish
+        and are then failed as ServerDied (drawn again on the others); returns how many were. The actor is the
+        caller's to end."""
+        index = next(i for i, server in enumerate(self.servers) if server.name == name)
+        abandoned = self.replicas.retire(index, timeout)
+        self.publisher.remove(name)
+        return abandoned
 
     def _rejoin(self, index: int, served: Serving) -> bool:
         """Bring a server that answers again to the newest weights (a restarted one only from a pool that has

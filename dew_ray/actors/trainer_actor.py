@@ -40,12 +40,14 @@ from dew.validation import positive_int
 class TrainJob:
     """What a trainer process trains: the Trainer, its Dataset, what to close at the end, and
     ``report()``: what the job has to say after each step (its rollout's records, say),
-    returned with the step's metrics under ``"report"``."""
+    returned with the step's metrics under ``"report"``; ``servers``: the job's
+    :class:`~dew_ray.actors.ServerPool`, which ``add_servers``/``remove_servers`` change."""
 
     trainer: Trainer
     data: Dataset
     close: Callable[[], Any] | None = None
     report: Callable[[], dict] | None = None
+    servers: Any = None  # the job's ServerPool, when its rollout servers may change during the run
 
 
 def _use_cpu_devices(count: int) -> None:
@@ -110,6 +112,27 @@ class TrainerHost:
                 row["report"] = self.job.report()
             out.append(row)
         return out
+
+    def add_servers(self, pairs: list) -> int:
+        """Rollout servers (``(name, actor)`` pairs) joining the job's pool; each takes draws once it has loaded
+        the newest weights the pool published. Returns the pool's size."""
+        pool = self._servers()
+        for name, actor in pairs:
+            pool.add(actor, name)
+        return len(pool.live())
+
+    def remove_servers(self, names: list[str], timeout: float) -> int:
+        """Take servers out of the job's pool (their draws get ``timeout`` s, then go to the others); returns how
+        many draws went to the others."""
+        pool = self._servers()
+        return sum(pool.remove(name, timeout) for name in names)
+
+    def _servers(self):
+        self._started()
+        if self.job.servers is None:
+            raise RuntimeError("this trainer's job has no rollout-server pool to change (vLLM engines, or a job "
+                               "built without servers=)")
+        return self.job.servers
 
     def snapshot(self):
         """The current parameters in host memory (numpy), e.g. for publication or export.

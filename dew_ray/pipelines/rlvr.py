@@ -378,6 +378,42 @@ class RLVRPipeline:
         started = self.start()
         print(f"resumed {self.run_dir} at update {started['step']}", flush=True)
 
+    def add_servers(self, count: int = 1) -> list[str]:
+        """Start ``count`` more rollout servers and bring them into every pool (see
+        :meth:`RLVRActors.add_servers`); at most ``servers_max`` in all. Returns their names."""
+        live = self._fleet()
+        if count < 1 or live + count > self.config.fleet_bounds()[1]:
+            raise ValueError(f"adding {count} rollout server(s) to {live} would pass servers_max="
+                             f"{self.config.fleet_bounds()[1]}")
+        self._grown += 1
+        names = self.actors.add_servers(count, name=f"dew-rlvr-{self.run_dir.resolve().name}-grow{self._grown}")
+        self._fleet_log("add", names)
+        return names
+
+    def remove_servers(self, count: int = 1, timeout: float = 30.0) -> list[str]:
+        """Take the ``count`` newest rollout servers out of every pool and end them, leaving at least
+        ``servers_min``; their draws get ``timeout`` seconds, then go to the others. Returns their names."""
+        live = self._fleet()
+        if count < 1 or live - count < self.config.fleet_bounds()[0]:
+            raise ValueError(f"removing {count} rollout server(s) of {live} would pass servers_min="
+                             f"{self.config.fleet_bounds()[0]}")
+        names = [server.name for server in self.actors.pool.servers
+                 if server.name not in self.actors.removed][-count:]
+        moved = self.actors.remove_servers(names, timeout)
+        self._fleet_log("remove", names, moved=moved)
+        return names
+
+    def _fleet(self) -> int:
+        if self.actors is None:
+            raise RuntimeError("call start() before changing the rollout fleet")
+        return len(self.actors.pool.servers) - len(self.actors.removed)
+
+    def _fleet_log(self, change: str, names: list[str], **more) -> None:
+        """One line per fleet change in fleet.jsonl, with the update it came after; metrics rows carry the size."""
+        entry = {"step": self.step_count, "change": change, "servers": names, "size": self._fleet(), **more}
+        with open(self.run_dir / "fleet.jsonl", "a") as file:
+            file.write(json.dumps(entry) + "\n")
+
     def wait_share(self) -> float | None:
         """The share of wall time after the first update that the trainer spent waiting for rollouts."""
         later = self.rows[1:]

@@ -47,7 +47,8 @@ from dew_ray.pipelines.rlvr_job import (
     engine_rollouts,
     trainer_job,
 )
-from dew_ray.placement import RolePlacement
+from dew_ray.actors.rollout_server_actor import RolloutServerActor
+from dew_ray.placement import Role, RolePlacement
 from dew.recipes.rlvr_recipe import SANDBOX_LIMITS
 
 
@@ -63,6 +64,8 @@ class RLVRActors:
         self.pool = self.fleet = None
         self.environment_workers: list = []
         self.environment_build = None
+        self.grown: list = []  # (placement, server names) of servers added during the run
+        self.removed: list[str] = []  # servers taken out during the run
         self.judge_pool = None
         self.placement = RolePlacement(config.roles(), name=name)
         # a lost server, runner or worker comes back in its bundle (vLLM engines and trainers are not restarted)
@@ -115,6 +118,46 @@ class RLVRActors:
                                           timeout=config.server_timeout, **self.restarts)
         return [server.actor for server in self.pool.servers]
 
+    def add_servers(self, count: int, name: str) -> list[str]:
+        """``count`` more rollout servers (engine="native"), each in a bundle of a placement group of their own
+        (``name``), joining every pool: the driver's, each trainer's and each environment worker's. They start
+        stale and take draws once a trainer's pool has loaded them with its newest weights. Returns their names."""
+        config = self.setup.config
+        if config.engine != "native":
+            raise ValueError("adding servers during a run needs engine='native' (vLLM engines are a fixed fleet)")
+        placement = RolePlacement({"rollout server": Role(count, config.server_cpus, 0.0, config.server_strategy,
+                                                          config.server_resources)}, name=name)
+        first = len(self.pool.servers)
+        names = [f"rollout server {first + i}" for i in range(count)]
+        actors = [RolloutServerActor.options(**placement.options("rollout server", i), **self.restarts)
+                  .remote(self.pool.held, config.slots, self.setup.width, version=-1, stale=True)
+                  for i in range(count)]
+        pairs = list(zip(names, actors))
+        for server_name, actor in pairs:
+            self.pool.add(actor, server_name)
+        ray.get([trainer.add_servers.remote(pairs) for trainer in self.trainers])
+        ray.get([worker.add_servers.remote(pairs) for worker in self.environment_workers])
+        self.servers += actors
+        self.grown.append((placement, names))
+        return names
+
+    def remove_servers(self, names: list[str], timeout: float) -> int:
+        """Take the named rollout servers out of every pool, then end them; their draws get ``timeout`` seconds to
+        finish and then go to the others. Returns how many draws went to the others."""
+        moved = sum(ray.get([trainer.remove_servers.remote(names, timeout) for trainer in self.trainers]))
+        moved += sum(ray.get([worker.remove_servers.remote(names, timeout) for worker in self.environment_workers]))
+        for name in names:
+            moved += self.pool.remove(name, timeout)
+            server = next(server for server in self.pool.servers if server.name == name)
+            self.servers.remove(server.actor)
+            ray.kill(server.actor)
+        for placement, held in list(self.grown):  # a group whose servers are all gone is freed
+            if set(held) <= set(self.removed) | set(names):
+                placement.remove()
+                self.grown.remove((placement, held))
+        self.removed += names
+        return moved
+
     def start_trainers(self, params) -> list[dict]:
         """The trainer group, each process's job built from the setup; returns what each trainer's start reported."""
         named = [] if self.setup.engines else [(server.name, server.actor) for server in self.pool.servers]
@@ -143,3 +186,6 @@ class RLVRActors:
             ray.kill(actor)
         self.trainers, self.servers, self.runners, self.environment_workers = [], [], [], []
         self.placement.remove()
+        for placement, _ in self.grown:
+            placement.remove()
+        self.grown = []

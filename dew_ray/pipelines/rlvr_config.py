@@ -124,6 +124,8 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     run_dir: str = "runs/rlvr"
     trainers: int = Field(1, ge=1)
     servers: int = Field(1, ge=1)
+    servers_min: int | None = Field(None, ge=1)
+    servers_max: int | None = Field(None, ge=1)
     sandbox_runners: int = Field(1, ge=1)
     trainer_cpus: float = Field(1.0, gt=0)
     server_cpus: float = Field(1.0, gt=0)
@@ -175,6 +177,10 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
 
     @model_validator(mode="after")
     def _roles(self):
+        low, high = self.fleet_bounds()
+        if not low <= self.servers <= high:
+            raise ValueError(f"config fields 'servers_min' ({low}), 'servers' ({self.servers}) and 'servers_max' "
+                             f"({high}) must be in order: the fleet starts at 'servers' and stays between the bounds")
         if self.tasks_per_step % self.trainers:
             raise ValueError(f"config field 'tasks_per_step' ({self.tasks_per_step}) must divide evenly over "
                              f"trainers={self.trainers}: each trainer process trains on its own share of the tasks")
@@ -212,6 +218,10 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
                              f"(server_gpus={self.server_gpus:g}, trainer_gpus={self.trainer_gpus:g}): an NCCL "
                              "broadcast runs from a trainer GPU into the engines' GPUs")
         return self
+
+    def fleet_bounds(self) -> tuple[int, int]:
+        """The least and most rollout servers a run may have while it trains (add_servers, remove_servers)."""
+        return (self.servers_min or self.servers, self.servers_max or self.servers)
 
     def eval_steps(self) -> list[int]:
         """The updates after which the held-out reward is measured during training (``eval_points`` of them)."""

@@ -207,7 +207,7 @@ def trainer_job(setup: Setup, params, servers: list, runners: list, environment_
         if judges is not None:
             judges.close()
 
-    return TrainJob(job.trainer, job.data, close=close, report=report)
+    return TrainJob(job.trainer, job.data, close=close, report=report, servers=None if setup.engines else pool)
 
 
 def warm_start_task(setup: Setup, train, start=None):
