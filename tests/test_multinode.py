@@ -5,6 +5,7 @@ The cluster: a head offering the custom resource ``trainer`` and two worker node
 labels a CPU pool and an inference pool. A further node, started under bubblewrap with a private empty directory
 mounted over the run directory, is a node that does not share it."""
 
+import json
 import os
 import signal
 import subprocess
@@ -152,3 +153,43 @@ def test_roles_are_placed_where_the_config_says_and_a_lost_node_is_healed(three_
     trained = [task for row in pipeline.rows for task in row["tasks"]]
     assert len(trained) == len(set(trained)) == 3 * 2  # every batch once, across the loss
     print(f"node lost after update 1; both servers served the newest push {healed:.1f} s later")
+
+
+def test_the_rollout_fleet_grows_into_a_joining_node_and_shrinks_on_request(three_nodes, tmp_path):
+    """servers=1 of servers_max=2, each server asking for a whole rollout node ({"rollout": 4}): the one rollout node
+    left holds the first, so there is no room until a node joins mid-run. Before the next update the fleet grows into
+    it: the new server serves the trainer's newest weights and the update is trained with two servers. Then
+    remove_servers(1) takes it out (its draws drain or are drawn again), and the run trains on with one; every batch
+    once, each change in fleet.jsonl and in the rows' fleet/servers."""
+    cluster, _ = three_nodes
+    config = load_config(None, TINY, run_dir=str(tmp_path / "fleet"), servers=1, servers_max=2, steps=3,
+                         trainer_resources={"trainer": 1}, server_resources={"rollout": 4})
+    with RLVRPipeline(config, address=cluster.address) as pipeline:
+        pipeline.start()
+        first = pipeline.actors.servers[0]
+        pipeline.step(1)
+        assert len(pipeline.actors.servers) == 1  # no node has joined: nothing to grow into
+        joined = cluster.add_node(num_cpus=2, resources={"rollout": 4})
+        assert [row["step"] for row in pipeline.step(1)] == [2]
+        grown = pipeline.actors.servers[1]
+        where = {w.role: w.node for w in pipeline.actors.grown[0][0].where()}
+        assert where["rollout server"] == joined.node_id
+        assert wait_for(lambda: serving(grown) == serving(first) and serving(grown)[0] >= 1, within=60), \
+            (serving(grown), serving(first))
+        with pytest.raises(ValueError, match="would pass servers_max=2"):
+            pipeline.add_servers(1)
+        assert pipeline.remove_servers(1, timeout=5) == ["rollout server 1"]
+        with pytest.raises(ValueError, match="would pass servers_min=1"):
+            pipeline.remove_servers(1)
+        assert [row["step"] for row in pipeline.step(1)] == [3]
+        summary = pipeline.finish()
+        with pytest.raises(ray.exceptions.ActorDiedError, match="killed by `ray.kill`"):  # the removed one ended
+            ray.get(grown.serving.remote(), timeout=30)
+    assert [row["fleet/servers"] for row in pipeline.rows] == [1, 2, 1] and summary["steps"] == 3
+    fleet = [json.loads(line) for line in (tmp_path / "fleet" / "fleet.jsonl").read_text().splitlines()]
+    assert [(entry["step"], entry["change"], entry["servers"], entry["size"]) for entry in fleet] == [
+        (1, "add", ["rollout server 1"], 2), (2, "remove", ["rollout server 1"], 1)]
+    assert fleet[0]["why"] == f"node {joined.node_id[:8]} joined"
+    trained = [task for row in pipeline.rows for task in row["tasks"]]
+    assert len(trained) == len(set(trained)) == 3 * 2
+    cluster.remove_node(joined)

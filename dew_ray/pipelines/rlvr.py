@@ -96,6 +96,7 @@ from dew_ray.actors import step_group
 from dew_ray.dashboard_metrics import PipelineMetrics
 from dew_ray.pipelines.rlvr_actors import RLVRActors
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
+from dew_ray.pipelines.rlvr_fleet import RLVRFleet
 from dew_ray.pipelines.rlvr_job import PipelineEnvironment, Setup, pipeline_reward, warm_start_task
 from dew_ray.pipelines.rlvr_report import plot, print_summary
 from dew_ray.pipelines.run_dirs import (
@@ -154,6 +155,7 @@ class RLVRPipeline:
         self.plan: RunPlan | None = None  # what the run trains, worked out by the preflight
         self.episodes: EnvironmentSource | None = None  # with an environment, the held-out episodes' source
         self.placement: list = []  # where each actor's bundle stood when the actors started (RolePlacement.where)
+        self.fleet: RLVRFleet | None = None  # the rollout fleet's bounds, growth and changes (start() makes it)
 
     @property
     def pool(self):
@@ -232,6 +234,7 @@ class RLVRPipeline:
                                    judge_eos_ids=plan.judge_eos_ids, judge_parse=plan.judge_parse)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
         self.actors = actors = RLVRActors(setup, name=f"dew-rlvr-{self.run_dir.resolve().name}")
+        self.fleet = RLVRFleet(config, self.run_dir, name=f"dew-rlvr-{self.run_dir.resolve().name}")
         self.placement = actors.placement.where()
         shared_on_nodes(self.run_dir, {where.node: where.address for where in self.placement})
         self.params = self._warm_params(setup, plan)
@@ -317,6 +320,7 @@ class RLVRPipeline:
         new = []
         while len(new) < count and self.step_count < self.config.steps:
             try:
+                self.fleet.grow(self.actors, self.step_count)
                 results = step_group(self.trainers, 1)
             except RayActorError as error:  # a trainer (or its node) was lost: the run goes on from its checkpoint
                 self._recover(error)
@@ -337,7 +341,8 @@ class RLVRPipeline:
                    "waited": scheduler.pop("waited", None), "tasks": tasks,
                    "verdicts": verdicts, **{f"train/{k}": v for k, v in metrics.items()
                                                                if k not in ("step", "updates")},
-                   **{k if k.startswith("rollout/") else f"scheduler/{k}": v for k, v in scheduler.items()}}
+                   **{k if k.startswith("rollout/") else f"scheduler/{k}": v for k, v in scheduler.items()},
+                   "fleet/servers": self.fleet.size(self.actors)}
             self.step_count = row["step"]
             # The row goes out before the checkpoint: a crash between the two retrains the update and rewrites
             # its row, where the other order would leave a trained update without one.
@@ -379,40 +384,19 @@ class RLVRPipeline:
         print(f"resumed {self.run_dir} at update {started['step']}", flush=True)
 
     def add_servers(self, count: int = 1) -> list[str]:
-        """Start ``count`` more rollout servers and bring them into every pool (see
-        :meth:`RLVRActors.add_servers`); at most ``servers_max`` in all. Returns their names."""
-        live = self._fleet()
-        if count < 1 or live + count > self.config.fleet_bounds()[1]:
-            raise ValueError(f"adding {count} rollout server(s) to {live} would pass servers_max="
-                             f"{self.config.fleet_bounds()[1]}")
-        self._grown += 1
-        names = self.actors.add_servers(count, name=f"dew-rlvr-{self.run_dir.resolve().name}-grow{self._grown}")
-        self._fleet_log("add", names)
-        return names
+        """Start ``count`` more rollout servers, at most ``servers_max`` in all; each serves once it has loaded the
+        newest weights (see :mod:`~dew_ray.pipelines.rlvr_fleet`). Returns their names."""
+        return self._fleet().add(self.actors, count, self.step_count)
 
     def remove_servers(self, count: int = 1, timeout: float = 30.0) -> list[str]:
-        """Take the ``count`` newest rollout servers out of every pool and end them, leaving at least
-        ``servers_min``; their draws get ``timeout`` seconds, then go to the others. Returns their names."""
-        live = self._fleet()
-        if count < 1 or live - count < self.config.fleet_bounds()[0]:
-            raise ValueError(f"removing {count} rollout server(s) of {live} would pass servers_min="
-                             f"{self.config.fleet_bounds()[0]}")
-        names = [server.name for server in self.actors.pool.servers
-                 if server.name not in self.actors.removed][-count:]
-        moved = self.actors.remove_servers(names, timeout)
-        self._fleet_log("remove", names, moved=moved)
-        return names
+        """Take the ``count`` newest rollout servers out and end them, leaving at least ``servers_min``; their draws
+        get ``timeout`` seconds, then are drawn again on the others. Returns their names."""
+        return self._fleet().remove(self.actors, count, self.step_count, timeout)
 
-    def _fleet(self) -> int:
-        if self.actors is None:
+    def _fleet(self) -> RLVRFleet:
+        if self.actors is None or self.fleet is None:
             raise RuntimeError("call start() before changing the rollout fleet")
-        return len(self.actors.pool.servers) - len(self.actors.removed)
-
-    def _fleet_log(self, change: str, names: list[str], **more) -> None:
-        """One line per fleet change in fleet.jsonl, with the update it came after; metrics rows carry the size."""
-        entry = {"step": self.step_count, "change": change, "servers": names, "size": self._fleet(), **more}
-        with open(self.run_dir / "fleet.jsonl", "a") as file:
-            file.write(json.dumps(entry) + "\n")
+        return self.fleet
 
     def wait_share(self) -> float | None:
         """The share of wall time after the first update that the trainer spent waiting for rollouts."""

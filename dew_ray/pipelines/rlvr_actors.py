@@ -118,15 +118,16 @@ class RLVRActors:
                                           timeout=config.server_timeout, **self.restarts)
         return [server.actor for server in self.pool.servers]
 
-    def add_servers(self, count: int, name: str) -> list[str]:
+    def add_servers(self, count: int, name: str, wait: float = 300.0) -> tuple[list[str], list]:
         """``count`` more rollout servers (engine="native"), each in a bundle of a placement group of their own
-        (``name``), joining every pool: the driver's, each trainer's and each environment worker's. They start
-        stale and take draws once a trainer's pool has loaded them with its newest weights. Returns their names."""
+        (``name``; RuntimeError when the cluster cannot place it within ``wait`` seconds), joining every pool: the
+        driver's, each trainer's and each environment worker's. They start stale and take draws once a trainer's
+        pool has loaded them with its newest weights. Returns their names and where each stands."""
         config = self.setup.config
         if config.engine != "native":
             raise ValueError("adding servers during a run needs engine='native' (vLLM engines are a fixed fleet)")
         placement = RolePlacement({"rollout server": Role(count, config.server_cpus, 0.0, config.server_strategy,
-                                                          config.server_resources)}, name=name)
+                                                          config.server_resources)}, timeout=wait, name=name)
         first = len(self.pool.servers)
         names = [f"rollout server {first + i}" for i in range(count)]
         actors = [RolloutServerActor.options(**placement.options("rollout server", i), **self.restarts)
@@ -139,7 +140,7 @@ class RLVRActors:
         ray.get([worker.add_servers.remote(pairs) for worker in self.environment_workers])
         self.servers += actors
         self.grown.append((placement, names))
-        return names
+        return names, placement.where()
 
     def remove_servers(self, names: list[str], timeout: float) -> int:
         """Take the named rollout servers out of every pool, then end them; their draws get ``timeout`` seconds to

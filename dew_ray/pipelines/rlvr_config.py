@@ -113,6 +113,13 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     as ``{"rollout": 1}`` for nodes started with ``ray start --resources='{"rollout": 4}'`` (the
     role runs only on nodes that offer them). The driver prints the node of every actor, and
     summary.json lists them under ``placement``.
+    servers_min, servers_max: the rollout fleet's bounds during the run (None: ``servers``);
+    with servers_max above servers the fleet grows by one server before an update whenever the
+    cluster has room for it (a node joined), and ``RLVRPipeline.add_servers(n)`` /
+    ``remove_servers(n)`` change it within the bounds; an added server loads the newest weights
+    before it draws, a removed one's draws finish or are drawn again on the others
+    (:mod:`dew_ray.pipelines.rlvr_fleet`; ``fleet.jsonl``, ``fleet/servers`` in metrics.jsonl;
+    engine="native" only).
     trackers, wandb_project, wandb_mode: experiment trackers that get every ``metrics.jsonl``
     row from the driver (:class:`dew.experiment_trackers.TrackerOptions`): TensorBoard event
     files in ``<run_dir>/tensorboard``, a W&B run in ``<run_dir>/wandb``.
@@ -181,6 +188,9 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
         if not low <= self.servers <= high:
             raise ValueError(f"config fields 'servers_min' ({low}), 'servers' ({self.servers}) and 'servers_max' "
                              f"({high}) must be in order: the fleet starts at 'servers' and stays between the bounds")
+        if high > self.servers and self.engine != "native":
+            raise ValueError(f"config field 'servers_max' ({high}) above 'servers' ({self.servers}) needs "
+                             f"engine='native': a fleet of {self.engine} engines is fixed for the run")
         if self.tasks_per_step % self.trainers:
             raise ValueError(f"config field 'tasks_per_step' ({self.tasks_per_step}) must divide evenly over "
                              f"trainers={self.trainers}: each trainer process trains on its own share of the tasks")
