@@ -115,3 +115,27 @@ class RolePlacement:
     def remove(self) -> None:
         for group in self.groups.values():
             remove_placement_group(group)
+
+
+def shortfall(roles: Mapping[str, Role]) -> str | None:
+    """What ``roles`` reserve in all beyond what the cluster's nodes offer (CPUs, GPUs, node resources), said with
+    the roles that ask for it, or None when the totals fit. It answers at once, where RolePlacement's wait for
+    bundles that can never be placed takes its whole timeout (a bundle must also fit on one node, which only
+    RolePlacement finds out)."""
+    have = ray.cluster_resources()
+    asked: dict[str, float] = {}
+    for spec in roles.values():
+        for key, amount in spec.bundle().items():
+            asked[key] = asked.get(key, 0.0) + spec.count * amount
+    short = [key for key, amount in asked.items() if amount > have.get(key, 0.0) + 1e-9]
+    if not short:
+        return None
+
+    def amount(key: str, value: float) -> str:
+        return f"{value:g} {key}s" if key in ("CPU", "GPU") else f"{value:g} {key!r}"
+
+    askers = "; ".join(f"{role}: {spec.describe()}" for role, spec in roles.items()
+                       if any(key in spec.bundle() for key in short))
+    return (f"the run reserves {', '.join(amount(key, asked[key]) for key in short)} ({askers}) but the Ray cluster "
+            f"has {', '.join(amount(key, have.get(key, 0.0)) for key in short)}: lower the roles' counts or their "
+            "*_cpus, *_gpus or *_resources fields (node resources come from `ray start --resources`)")

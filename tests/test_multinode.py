@@ -85,8 +85,8 @@ def test_a_run_directory_one_node_does_not_share_is_refused_naming_the_node(thre
         assert not list(run_dir.glob(".dew-shared-*"))  # the driver's check file is removed again
         too_many = load_config(None, TINY, run_dir=str(tmp_path / "many"), servers=9, server_resources={"rollout": 1})
         with RLVRPipeline(too_many, address=cluster.address) as pipeline:
-            with pytest.raises(PreflightError, match="rollout servers ask for 9 'rollout' in all, and the Ray "
-                                                     "cluster's nodes offer 8"):
+            with pytest.raises(PreflightError, match="reserves 9 'rollout' \\(rollout server: 9 x 0.5 CPU \\+ 1 "
+                                                     "rollout, pack\\) but the Ray cluster has 8 'rollout'"):
                 pipeline.start()
     finally:  # the raylet and its agents too: `ray start --block` does not take them down when stopped
         os.killpg(node.pid, signal.SIGKILL)

@@ -355,7 +355,7 @@ def test_a_server_added_mid_run_loads_the_newest_weights_first_and_a_removed_one
     in flight fail as ServerDied once the drain timeout passes, and the others take them."""
     pool = start_rollout_servers(endless, count=1, slots=2, capacity=64, version=0, num_cpus=0.5, timeout=5)
     pool.load(sharp_decoder[1], 1)
-    joining = RolloutServerActor.options(num_cpus=0.5).remote(pool.held, 2, 64, version=0, stale=True)
+    joining = RolloutServerActor.options(num_cpus=0.5).remote(pool.task, 2, 64, version=0, stale=True)
     pool.add(joining, "rollout server 1")
     assert _wait_until(lambda: pool.live() == [0, 1], within=60), (pool.live(), pool.aside())
     assert tuple(ray.get(joining.serving.remote())) == (1, False)

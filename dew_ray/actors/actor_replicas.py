@@ -25,6 +25,31 @@ from dew.inference.rollout_server import ServerDied
 RESTART_WAIT = 300.0  # seconds a call waits for a restarting actor when every actor of the pool is away
 
 
+def actor_lost(error: BaseException | None) -> str | None:
+    """How Ray says a call failed for want of its actor: "restarting" (``ActorUnavailableError``: its process or node
+    was lost and Ray is starting it again), "dead" (any other ``RayActorError``: no restart is coming), or None
+    (the call failed some other way, or did not fail)."""
+    if isinstance(error, ActorUnavailableError):
+        return "restarting"
+    return "dead" if isinstance(error, RayActorError) else None
+
+
+def answer(ref, name: str, timeout: float | None):
+    """The result of one call on an actor (``ref``); None while the actor gives no answer within ``timeout`` seconds
+    or Ray is restarting it; ServerDied naming ``name`` (chained to Ray's error) once it is dead.
+
+    A blocking Ray call: never call it holding a lock others need.
+    """
+    try:
+        return ray.get(ref, timeout=timeout)
+    except GetTimeoutError:
+        return None
+    except RayActorError as error:
+        if actor_lost(error) == "restarting":
+            return None
+        raise ServerDied(f"{name} has died: {error}") from error
+
+
 class ActorReplicas(ReplicaPool):
     """Ray actors as the replicas of a pool (see the module docstring)."""
 
@@ -35,13 +60,7 @@ class ActorReplicas(ReplicaPool):
 
     def _ready(self, index: int, timeout: float | None) -> bool | None:
         """True once actor ``index`` answers; None while it is silent or restarting; ServerDied once it is dead."""
-        try:
-            ray.get(self.actors[index].__ray_ready__.remote(), timeout=timeout)
-        except (ActorUnavailableError, GetTimeoutError):
-            return None
-        except RayActorError as error:
-            raise ServerDied(f"{self.names[index]} has died: {error}") from error
-        return True
+        return answer(self.actors[index].__ray_ready__.remote(), self.names[index], timeout)
 
     def call(self, start: Callable[[int, object], object]) -> tuple[int, Future]:
         """``start(index, actor)`` on the least busy live actor: (index, a Future of the call's result)."""
@@ -50,9 +69,9 @@ class ActorReplicas(ReplicaPool):
 
         def done(reply: Future) -> None:
             error = reply.exception()
-            # a bare RayActorError (no restart coming) is a death too
-            self.release(ticket, died=isinstance(error, RayActorError) and not isinstance(error, ActorUnavailableError))
-            if isinstance(error, ActorUnavailableError):
+            lost = actor_lost(error)
+            self.release(ticket, died=lost == "dead")
+            if lost == "restarting":
                 self.set_aside(ticket.replica, "its process was lost and Ray is restarting it")
             if error is None:
                 result.set_result(reply.result())

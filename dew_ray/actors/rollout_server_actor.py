@@ -28,10 +28,10 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import ray
 from typing import NamedTuple
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+import ray
+from ray.exceptions import ActorDiedError
 
 from dew.inference import (
     Draw,
@@ -46,6 +46,7 @@ from dew.inference import (
 )
 from dew.inference.replica_pool import PooledRolloutServer, ReplicaPool
 from dew.inference.rollout_server import settle
+from dew_ray.actors.actor_replicas import actor_lost, answer
 from dew_ray.actors.keyed_calls import KeyedCalls
 from dew_ray.weight_broadcast import WeightBroadcast
 from dew.validation import positive_int
@@ -176,11 +177,11 @@ class RemoteRolloutServer(RolloutServer):
 
     def _settle(self, future: DrawFuture, done: Future) -> None:
         error = done.exception()
-        if isinstance(error, ActorUnavailableError):  # its process was lost and Ray restarts it: not dead
+        lost = actor_lost(error)
+        if lost == "restarting":  # its process was lost and Ray restarts it: not dead
             error = ServerRestarted(f"{self.name} is being restarted by Ray: {error}")
-        elif isinstance(error, RayActorError):
-            if isinstance(error, ActorDiedError):
-                self.died = True
+        elif lost == "dead":
+            self.died = self.died or isinstance(error, ActorDiedError)
             error = ServerDied(f"{self.name} died during a draw: {error}")
         elif isinstance(error, ServerRestarted):  # the actor's own refusal, wrapped in Ray's RayTaskError
             error = ServerRestarted(f"{self.name} restarted and has not loaded the current weights yet")
@@ -202,14 +203,11 @@ class RemoteRolloutServer(RolloutServer):
         A blocking Ray call: never call it holding a lock others need.
         """
         try:
-            version, stale = ray.get(self.actor.serving.remote(), timeout=timeout)
-        except (ActorUnavailableError, GetTimeoutError):
-            return None
-        except RayActorError as error:
-            if isinstance(error, ActorDiedError):
-                self.died = True
-            raise ServerDied(f"{self.name} has died: {error}") from error
-        return Serving(int(version), bool(stale))
+            served = answer(self.actor.serving.remote(), self.name, timeout)
+        except ServerDied as error:
+            self.died = self.died or isinstance(error.__cause__, ActorDiedError)
+            raise
+        return None if served is None else Serving(int(served[0]), bool(served[1]))
 
     def alive(self, timeout: float = 30.0) -> bool:
         """Whether the actor lives (one that is slow to answer counts as alive); see ``probe``."""
@@ -238,9 +236,15 @@ class ServerPool(PooledRolloutServer):
     weights (:meth:`WeightBroadcast.rejoin`) and takes draws again. A server Ray is restarting,
     or one that restarted and refuses draws until it loads, is set aside at its first failed
     draw and rejoins the same way (see the module docstring).
+
+    ``task``: the ObjectRef of the ServingTask the servers were built from, which the pool holds
+    for the run (:func:`start_rollout_servers` puts it once): Ray frees the constructor
+    arguments it put itself once the actors exist (ray-project/ray#53727), and a restarted
+    server runs its constructor on them again, as a server added mid-run is built from them.
     """
 
-    def __init__(self, servers: Sequence[RemoteRolloutServer], timeout: float | None = None):
+    def __init__(self, servers: Sequence[RemoteRolloutServer], timeout: float | None = None, task=None):
+        self.task = task
         self.servers = list(servers)
         if not self.servers:
             raise ValueError("ServerPool needs at least one server")
@@ -325,13 +329,9 @@ def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: i
     brings a lost server back).
     """
     positive_int("count", count)
-    # One put for every server; the pool holds the object, because Ray frees the arguments it put itself once
-    # the actors are created, and a restart runs the constructor on them again.
-    held = ray.put(task)
+    task = ray.put(task)  # one put for every server, held by the pool (ServerPool's task)
     actors = [RolloutServerActor.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **options)
-              .remote(held, slots, capacity, lanes=lanes, version=version, http=http, pushed=pushed)
+              .remote(task, slots, capacity, lanes=lanes, version=version, http=http, pushed=pushed)
               for i in range(count)]
-    pool = ServerPool([RemoteRolloutServer(actor, f"rollout server {i}") for i, actor in enumerate(actors)],
-                      timeout=timeout)
-    pool.held = held
-    return pool
+    return ServerPool([RemoteRolloutServer(actor, f"rollout server {i}") for i, actor in enumerate(actors)],
+                      timeout=timeout, task=task)

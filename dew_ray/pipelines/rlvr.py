@@ -99,6 +99,7 @@ from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
 from dew_ray.pipelines.rlvr_fleet import RLVRFleet
 from dew_ray.pipelines.rlvr_job import PipelineEnvironment, Setup, pipeline_reward, warm_start_task
 from dew_ray.pipelines.rlvr_report import plot, print_summary
+from dew_ray.placement import shortfall
 from dew_ray.pipelines.run_dirs import (
     PreflightError,
     pipeline_main,
@@ -196,7 +197,8 @@ class RLVRPipeline:
         return self.plan
 
     def start(self) -> dict:
-        """Start Ray (unless attached), warm-start or read back the warm start, start every actor."""
+        """Start Ray (unless attached), warm-start or read back the warm start, start every actor (printing the node
+        each one stands on)."""
         config = self.config
         if self.started_at is None:  # a recovery's start keeps the run's
             self.started_at = time.perf_counter()
@@ -207,22 +209,9 @@ class RLVRPipeline:
         if not ray.is_initialized():
             start_ray(self.address, self.run_dir, sum(demand.values()))
             self._started_ray = True
-        available = ray.cluster_resources().get("CPU", 0)
-        if sum(demand.values()) > available:
-            parts = ", ".join(f"{role} {cpus:g}" for role, cpus in demand.items())
-            raise PreflightError(f"the run reserves {sum(demand.values()):g} CPUs ({parts}) but the Ray cluster has "
-                                 f"{available:g}: lower the roles' *_cpus fields, or use fewer actors")
-        gpus = config.servers * config.server_gpus + config.trainers * config.trainer_gpus
-        if gpus > ray.cluster_resources().get("GPU", 0):
-            raise PreflightError(f"the run reserves {gpus:g} GPUs for its trainers and vLLM servers but the Ray cluster has "
-                                 f"{ray.cluster_resources().get('GPU', 0):g}")
-        for role, spec in config.roles().items():
-            for resource, amount in spec.resources.items():
-                have = ray.cluster_resources().get(resource, 0)
-                if spec.count * amount > have:
-                    raise PreflightError(f"the {role}s ask for {spec.count * amount:g} {resource!r} in all, and the "
-                                         f"Ray cluster's nodes offer {have:g} (node resources come from `ray start "
-                                         f"--resources`); lower the role's count or its *_resources field")
+        short = shortfall(config.roles())
+        if short is not None:
+            raise PreflightError(short)
         (self.run_dir / "config.json").write_text(json.dumps({**config.model_dump(), "run_dir": str(self.run_dir)},
                                                              indent=2))
         plan = self.preflight_plan()
@@ -236,6 +225,8 @@ class RLVRPipeline:
         self.actors = actors = RLVRActors(setup, name=f"dew-rlvr-{self.run_dir.resolve().name}")
         self.fleet = RLVRFleet(config, self.run_dir, name=f"dew-rlvr-{self.run_dir.resolve().name}")
         self.placement = actors.placement.where()
+        for where in self.placement:  # every start, a recovery's too: where the actors stand now
+            print(f"placement: {where.describe()}", flush=True)
         shared_on_nodes(self.run_dir, {where.node: where.address for where in self.placement})
         self.params = self._warm_params(setup, plan)
         actors.start_roles(self.params, self.runner, plan.judge)
@@ -497,8 +488,6 @@ def run(config: RLVRPipelineConfig, address: str | None = None) -> dict:
             print(f"warm start: {config.sft_steps} SFT steps before the first update (nothing prints until they "
                   "end; about a minute on 2 cores for the built-in decoder's 400)", flush=True)
         started = pipeline.start()
-        for where in pipeline.placement:
-            print(f"placement: {where.describe()}", flush=True)
         if started["restored"]:
             print(f"resumed {pipeline.run_dir} at update {started['step']}", flush=True)
         with tqdm(total=config.steps, initial=pipeline.step_count, desc="rlvr", unit="update",

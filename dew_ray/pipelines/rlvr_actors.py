@@ -131,7 +131,7 @@ class RLVRActors:
         first = len(self.pool.servers)
         names = [f"rollout server {first + i}" for i in range(count)]
         actors = [RolloutServerActor.options(**placement.options("rollout server", i), **self.restarts)
-                  .remote(self.pool.held, config.slots, self.setup.width, version=-1, stale=True)
+                  .remote(self.pool.task, config.slots, self.setup.width, version=-1, stale=True)
                   for i in range(count)]
         pairs = list(zip(names, actors))
         for server_name, actor in pairs:
