@@ -20,7 +20,10 @@ one fault at a time into the live pipeline (its actors carry names, ``RolePlacem
   whole worker node's processes (its actors restart on the others; a fresh node joins in
   its place);
 - with ``--trainer-kills K``: up to K times, ``ray.kill`` of the trainer actor (the driver
-  starts the run's actors again from the last checkpoint, in the same driver).
+  starts the run's actors again from the last checkpoint, in the same driver);
+- with ``--nodes`` and ``--set servers_max=M`` above ``servers``: the rollout fleet grows
+  into each node that joins (a replaced node's newcomer), which the report lists from
+  ``fleet.jsonl``; a ``ray.kill`` always leaves another actor of its role listed.
 
 Faults start once a driver has trained an update (a driver's start, the actors' and the
 restore, is spared), and kills leave at least one actor of each role alive in each
@@ -41,6 +44,7 @@ throughout (a restarted one serves nothing until it has loaded). After the run:
   ``sandbox_chaos``: a SandboxFleet running programs while some are SIGKILLed).
 
     uv run python bench/chaos.py [--steps 40] [--seed 0] [--every 3] [--nodes 2] [--trainer-kills 1]
+        [--set servers_max=5]
 
 Prints the faults injected and survived and the invariants; writes bench/results/chaos.json.
 """
@@ -247,7 +251,8 @@ class Injector:
         kinds = ["SIGSTOP rollout server", "SIGKILL sandbox program"]
         for role, label in (("rollout-server", "rollout server"), ("sandbox-runner", "sandbox runner")):
             incarnation = actors[role][0][0].rsplit("/", 1)[0] if actors[role] else None
-            if incarnation and self._killed[(incarnation, role)] < self.limits[role]:
+            # servers a growing fleet added have an incarnation of their own: a kill also needs another actor listed
+            if incarnation and self._killed[(incarnation, role)] < self.limits[role] and len(actors[role]) >= 2:
                 kinds.append(f"ray.kill {label}")
                 if role == "rollout-server":  # a stall past the timeout takes a server out for a while, as a kill
                     kinds += ["SIGKILL rollout server process", "SIGSTOP rollout server past its timeout"]
@@ -384,9 +389,16 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
     return {"steps": steps, "seed": seed, "servers": servers, "runners": runners, "driver_runs": driver_runs,
             "faults": dict(injector.faults), "injected": sum(injector.faults.values()),
             "survived": sum(injector.faults.values()) if invariants["finished"]["ok"] else 0,
-            "resumed_at": resumed_at, "recoveries": recoveries, "nodes": nodes, "invariants": invariants,
+            "resumed_at": resumed_at, "recoveries": recoveries, "nodes": nodes, "fleet": _fleet(run_dir),
+            "invariants": invariants,
             "log": injector.log,
             "last_output": outputs[-1][-3000:] if outputs else ""}
+
+
+def _fleet(run_dir: Path) -> list[dict]:
+    """The run's fleet changes (fleet.jsonl: with servers_max above servers, a node that joins gets a server)."""
+    path = run_dir / "fleet.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _updates(run_dir: Path) -> int:
@@ -497,6 +509,9 @@ def print_faults_and_invariants(result: dict) -> None:
     print(f"  faults injected {result['injected']}, survived {survived}:")
     for kind, count in sorted(result["faults"].items()):
         print(f"    {kind:<40} {count}")
+    for change in result.get("fleet", []):
+        print(f"  fleet after update {change['step']}: {change['change']} {', '.join(change['servers'])} "
+              f"({change.get('why', 'asked')}), {change['size']} servers")
     print("  invariants:")
     for name, verdict in result["invariants"].items():
         print(f"    {'ok  ' if verdict['ok'] else 'FAIL'} {name:<30} {verdict['detail']}")
