@@ -61,14 +61,16 @@ class Gateway:
         deadline = time.monotonic() + ready_timeout
         state = "it never answered"
         while True:
+            # no call outlasts the deadline: a worker that never answers holds /v1/models for the call's whole timeout
+            wait = min(self.timeout, max(deadline - time.monotonic(), 0.5))
             try:
-                status, health = call(f"{self.url}/health/workers", method="GET", timeout=self.timeout)
+                status, health = call(f"{self.url}/health/workers", method="GET", timeout=wait)
                 if status != 200 or not isinstance(health, dict):
                     state = f"/health/workers answered HTTP {status}: {health!r:.200}"
                 elif not health.get("healthy"):
                     state = f"/health/workers reports {health.get('healthy', 0)} of {health.get('total', 0)} workers healthy"
                 else:
-                    status, models = call(f"{self.url}/v1/models", method="GET", timeout=self.timeout)
+                    status, models = call(f"{self.url}/v1/models", method="GET", timeout=wait)
                     if status == 200 and isinstance(models, dict) and models.get("data"):
                         return health
                     state = f"GET /v1/models through the gateway answered HTTP {status}: {models!r:.200}"
