@@ -117,6 +117,11 @@ class RolePlacement:
             remove_placement_group(group)
 
 
+def alive_nodes() -> set[str]:
+    """The ids of the cluster's nodes that are alive now."""
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+
+
 def shortfall(roles: Mapping[str, Role]) -> str | None:
     """What ``roles`` reserve in all beyond what the cluster's nodes offer (CPUs, GPUs, node resources), said with
     the roles that ask for it, or None when the totals fit. It answers at once, where RolePlacement's wait for

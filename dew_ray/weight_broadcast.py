@@ -12,8 +12,11 @@ With ``drop_dead=True`` an actor that has died is not a failure: it leaves the b
 (its name is added to ``dropped``) and the others carry on; one that does not answer
 within ``timeout`` seconds (stopped, not dead), or that Ray is restarting, is set aside
 (its name is added to ``aside``): later loads skip it until ``rejoin(name)``, which first loads it with the
-newest weights published (the broadcast keeps that one object alive for this). With none
-left, ``load`` raises.
+newest weights published (the broadcast keeps that one object alive for this). When a load
+finds every actor left set aside (a restart under way, a node lost with the others), the
+load's weights become the newest and it waits up to ``wait`` seconds for one to rejoin with
+them (the owner's probes call ``rejoin``); with none back by then, or none left at all,
+``load`` raises.
 
 An actor here is anything whose ``load.remote(variables, version)`` returns an ObjectRef
 of the version it serves: :class:`dew_ray.actors.RolloutServerActor` is one. Publishers
@@ -24,7 +27,8 @@ for vLLM/SGLang replicas (safetensors reload, NCCL) plug in beside this one with
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -50,14 +54,15 @@ class WeightBroadcast(WeightPublisher):
     """Versioned weight publication to Ray actors (see the module docstring)."""
 
     def __init__(self, actors: Sequence, names: Sequence[str] | None = None, version: int = 0, timeout: float = 600.0,
-                 drop_dead: bool = False):
+                 drop_dead: bool = False, wait: float = 300.0, on_aside: Callable[[str, str], None] | None = None):
         actors = list(actors)
         if not actors:
             raise ValueError("WeightBroadcast needs at least one actor to publish to")
         names = list(names) if names is not None else [f"rollout server {i}" for i in range(len(actors))]
         if len(names) != len(actors):
             raise ValueError(f"got {len(names)} names for {len(actors)} actors")
-        self.actors, self.names, self.timeout, self.drop_dead = actors, names, timeout, drop_dead
+        self.actors, self.names, self.timeout, self.drop_dead, self.wait = actors, names, timeout, drop_dead, wait
+        self.on_aside = on_aside  # on_aside(name, why) for each actor a load sets aside: its owner probes it to rejoin
         self.dropped: list[str] = []
         self.aside: set[str] = set()
         self._lock = threading.Lock()
@@ -94,6 +99,11 @@ class WeightBroadcast(WeightPublisher):
         with self._lock:
             self.aside.add(name)
 
+    def _put_aside(self, name: str, why: str) -> None:
+        self.set_aside(name)
+        if self.on_aside is not None:
+            self.on_aside(name, why)
+
     def rejoin(self, name: str, serving: int | None = None) -> bool:
         """Load actor ``name`` (set aside) with the newest weights published, unless it is ``serving`` their
         version already, then include it in loads again; False (and it stays aside) when it does not load them
@@ -129,7 +139,7 @@ class WeightBroadcast(WeightPublisher):
             if ref not in answered:
                 silent = TimeoutError(f"it did not answer within {self.timeout:g} s")
                 if self.drop_dead:
-                    self.set_aside(name)
+                    self._put_aside(name, f"it did not load version {version} within {self.timeout:g} s")
                 else:
                     failures.append((index, name, silent))
                 continue
@@ -137,7 +147,7 @@ class WeightBroadcast(WeightPublisher):
                 served = ray.get(ref)
             except ActorUnavailableError as error:  # Ray restarts it: it rejoins once it answers
                 if self.drop_dead:
-                    self.set_aside(name)
+                    self._put_aside(name, "its process was lost and Ray is restarting it")
                 else:
                     failures.append((index, name, error))
                 continue
@@ -154,10 +164,20 @@ class WeightBroadcast(WeightPublisher):
                 del self.actors[index], self.names[index]
                 self.dropped.append(name)
             serving = [name for name in self.names if name not in self.aside]
+            wait_for_rejoin = not serving and bool(self.aside) and not failures
+            if wait_for_rejoin:  # those set aside rejoin with these weights
+                before, (self._version, self._newest) = (self._version, self._newest), (version, tree)
+        waited = ""
+        if wait_for_rejoin:
+            serving = self._wait_for_rejoin()
+            waited = f", waited {self.wait:g} s for one to come back"
+            if not serving:
+                with self._lock:
+                    self._version, self._newest = before
         if not serving:
             raise RuntimeError(f"publishing version {version} failed: every actor has died or stopped answering "
                                f"(died: {', '.join(self.dropped) or 'none'}; set aside: "
-                               f"{', '.join(sorted(self.aside)) or 'none'})")
+                               f"{', '.join(sorted(self.aside)) or 'none'}{waited})")
         if failures:
             _, name, error = failures[0]
             others = f" (and {len(failures) - 1} more actor(s))" if len(failures) > 1 else ""
@@ -165,4 +185,16 @@ class WeightBroadcast(WeightPublisher):
                 f"publishing version {version} failed on {name}{others}: {describe(error)}; "
                 f"the broadcast stays at version {self._version}"
             ) from error
-        self._version, self._newest = version, tree
+        with self._lock:
+            self._version, self._newest = version, tree
+
+    def _wait_for_rejoin(self) -> list[str]:
+        """Up to ``wait`` seconds until an actor set aside has rejoined (loaded with the newest weights); those that
+        serve then."""
+        deadline = time.monotonic() + self.wait
+        while True:
+            with self._lock:
+                serving = [name for name in self.names if name not in self.aside]
+            if serving or not self.aside or time.monotonic() >= deadline:
+                return serving
+            time.sleep(0.2)

@@ -23,6 +23,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from dew_ray.pipelines.rlvr import PreflightError, RLVRPipeline  # noqa: E402
 from dew_ray.pipelines.rlvr_config import load_config  # noqa: E402
+from dew_ray.pipelines.run_dirs import shared_on_nodes  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -66,6 +67,9 @@ def test_a_run_directory_one_node_does_not_share_is_refused_naming_the_node(thre
                              env={**os.environ, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode != 0 and "InvalidAuthToken" in refused.stderr, refused.stderr[-2000:]
+    # a node that left the cluster before its check could run holds none of the run's actors: passed over (a
+    # recovery's start under node loss met one)
+    shared_on_nodes(tmp_path, {"ab" * 28: "10.0.0.99"})
     run_dir = tmp_path / "unshared"
     run_dir.mkdir()
     # a raylet whose processes see an empty private directory where the driver's run directory is

@@ -117,6 +117,19 @@ def test_weight_broadcast_moves_the_version_only_when_every_actor_loaded(cluster
     survivors = WeightBroadcast([good, bad], ["good", "killed"], version=1, drop_dead=True)
     survivors.load(tree, 3)
     assert survivors.version == 3 and survivors.dropped == ["killed"] and survivors.names == ["good"]
+    # every actor left is set aside (restarting, say): the load waits for one to rejoin, which loads its weights
+    survivors.set_aside("good")
+    loading = threading.Thread(target=survivors.load, args=(tree, 4))
+    loading.start()
+    time.sleep(0.5)
+    assert loading.is_alive() and survivors.rejoin("good")
+    loading.join(30)
+    assert survivors.version == 4 and ray.get(good.seen.remote()) == (["params"], 4)
+    survivors.wait = 0.5  # none comes back: the load fails, and the broadcast stays where it was
+    survivors.set_aside("good")
+    with pytest.raises(RuntimeError, match="publishing version 5 failed.*set aside: good, waited 0.5 s"):
+        survivors.load(tree, 5)
+    assert survivors.version == 4
 
 
 def test_a_pool_keeps_drawing_after_a_server_is_killed(cluster, endless, sharp_decoder):

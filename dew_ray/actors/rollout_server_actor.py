@@ -257,7 +257,7 @@ class ServerPool(PooledRolloutServer):
             died=lambda i: self.servers[i].died)
         self.publisher = WeightBroadcast([s.actor for s in self.servers], names,
                                          version=min(server.version for server in self.servers), drop_dead=True,
-                                         **({} if timeout is None else {"timeout": timeout}))
+                                         on_aside=self._aside_in_load, **({} if timeout is None else {"timeout": timeout}))
         for index, server in enumerate(self.servers):
             server.publisher = self.publisher
             server.on_restart = functools.partial(self.replicas.set_aside, index)
@@ -303,13 +303,15 @@ class ServerPool(PooledRolloutServer):
         try:
             self.publisher.load(variables, version)
         finally:
-            dropped, aside = set(self.publisher.dropped), set(self.publisher.aside)
+            dropped = set(self.publisher.dropped)
             for index, server in enumerate(self.servers):
                 if server.name in dropped:
                     self.replicas.mark_dead(index)
-                elif server.name in aside:
-                    self.replicas.set_aside(index, f"it did not load version {version} within "
-                                                   f"{self.publisher.timeout:g} s")
+
+    def _aside_in_load(self, name: str, why: str) -> None:
+        """A server the publisher set aside during a load: the pool sets it aside too and probes it until it
+        rejoins (a load that finds every server aside waits for that)."""
+        self.replicas.set_aside(next(i for i, server in enumerate(self.servers) if server.name == name), why)
 
 
 def server_pool(pairs: Sequence[tuple[str, object]], timeout: float | None = None) -> ServerPool:

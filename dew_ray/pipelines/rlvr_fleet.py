@@ -25,6 +25,7 @@ from pathlib import Path
 import ray
 
 from dew_ray.pipelines.rlvr_actors import RLVRActors
+from dew_ray.placement import alive_nodes
 
 GROW_WAIT = 5.0  # seconds a growth waits for its bundle once the free resources say it fits
 
@@ -36,7 +37,7 @@ class RLVRFleet:
         self.config, self.run_dir, self.name = config, run_dir, name
         self.low, self.high = config.fleet_bounds()
         self.changes = 0  # names each change's placement group
-        self.nodes = self._alive() if self.high > config.servers else set()  # the nodes seen at the last look
+        self.nodes = alive_nodes() if self.high > config.servers else set()  # the nodes seen at the last look
 
     def size(self, actors: RLVRActors) -> int:
         """How many rollout servers the run has now (started, added, not removed)."""
@@ -69,7 +70,7 @@ class RLVRFleet:
         cluster has room for the server now."""
         if self.high <= self.config.servers:
             return []
-        alive = self._alive()
+        alive = alive_nodes()
         joined, self.nodes = alive - self.nodes, alive
         if not joined or self.size(actors) >= self.high or not self._room():
             return []
@@ -77,10 +78,6 @@ class RLVRFleet:
             return self.add(actors, 1, step, wait=GROW_WAIT, why=f"node {sorted(joined)[0][:8]} joined")
         except RuntimeError:  # the free resources were spread over nodes no one of which holds a bundle
             return []
-
-    @staticmethod
-    def _alive() -> set[str]:
-        return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
 
     def _room(self) -> bool:
         free = ray.available_resources()

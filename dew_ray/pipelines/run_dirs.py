@@ -24,8 +24,10 @@ from pathlib import Path
 
 import ray
 from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from dew_ray.placement import alive_nodes
 
 
 class PreflightError(RuntimeError):
@@ -85,7 +87,8 @@ def _node_check(run_dir: str, token: str) -> str | None:
 def shared_on_nodes(run_dir: Path, nodes: dict[str, str], timeout: float = 120.0) -> None:
     """Prove that every node in ``nodes`` (node id -> address) reaches the run directory the driver writes: a small
     task on each reads a file the driver wrote, writes its own, reads it back and removes it. Raises PreflightError
-    naming the first node that does not."""
+    naming the first node that does not. A node that leaves the cluster before its check has run is passed over:
+    it holds none of the run's actors any more (Ray moves their bundles to nodes that are left)."""
     token = uuid.uuid4().hex
     mark = run_dir / f".dew-shared-{token}"
     mark.write_text(token)
@@ -98,6 +101,10 @@ def shared_on_nodes(run_dir: Path, nodes: dict[str, str], timeout: float = 120.0
                 problem = ray.get(ref, timeout=timeout)
             except GetTimeoutError:
                 problem = f"its check did not finish within {timeout:g} s"
+            except RayError as error:  # the task could not run there, or was lost with its node
+                if node not in alive_nodes():
+                    continue
+                problem = f"its check failed ({type(error).__name__}: {str(error)[:300]})"
             if problem is not None:
                 raise PreflightError(
                     f"the run directory {run_dir} is not shared with node {node[:8]} ({nodes[node]}): {problem}. "
