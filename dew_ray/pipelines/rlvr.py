@@ -362,17 +362,24 @@ class RLVRPipeline:
     def _recover(self, error: RayActorError) -> None:
         """Start every actor of the run again from the newest checkpoint (what a rerun of a killed driver does, in
         this driver), at most ``restarts`` times: a lost trainer's group cannot go on without it, and servers that
-        outlived it serve weights of updates its checkpoint does not hold."""
-        if 0 <= self.config.restarts <= self.recoveries:
-            raise RuntimeError(f"a trainer was lost and the run has been restarted {self.recoveries} time(s) "
-                               f"already (restarts={self.config.restarts})") from error
-        self.recoveries += 1
-        print(f"a trainer was lost ({type(error).__name__}); starting the run's actors again from its last "
-              f"checkpoint ({self.recoveries} of {self.config.restarts if self.config.restarts >= 0 else 'any'})",
-              flush=True)
-        self._stop_actors()
-        started = self.start()
-        print(f"resumed {self.run_dir} at update {started['step']}", flush=True)
+        outlived it serve weights of updates its checkpoint does not hold. An actor lost while they start again (its
+        node lost too) makes it start them again once more, within the same count."""
+        while True:
+            if 0 <= self.config.restarts <= self.recoveries:
+                raise RuntimeError(f"a trainer was lost and the run has been restarted {self.recoveries} time(s) "
+                                   f"already (restarts={self.config.restarts})") from error
+            self.recoveries += 1
+            print(f"a trainer was lost ({type(error).__name__}); starting the run's actors again from its last "
+                  f"checkpoint ({self.recoveries} of {self.config.restarts if self.config.restarts >= 0 else 'any'})",
+                  flush=True)
+            self._stop_actors()
+            try:
+                started = self.start()
+            except RayActorError as again:
+                error = again
+                continue
+            print(f"resumed {self.run_dir} at update {started['step']}", flush=True)
+            return
 
     def add_servers(self, count: int = 1) -> list[str]:
         """Start ``count`` more rollout servers, at most ``servers_max`` in all; each serves once it has loaded the
