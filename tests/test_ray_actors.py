@@ -376,7 +376,9 @@ def test_a_server_added_mid_run_loads_the_newest_weights_first_and_a_removed_one
     assert all(d.result(60).version == 1 for d in draws)
     assert ray.get(joining.in_flight.remote()) == 0 and len(pool.servers) == 2
 
-    long = [pool.submit([20, 21], 60, seed=s) for s in range(4)]  # two on each server
+    # far more draws than the 2 x 2 slots: a draw of 60 ids takes a fraction of a second here, so the joining
+    # server's queue, not one draw, is what the removal finds in flight
+    long = [pool.submit([20, 21], 60, seed=s) for s in range(64)]
     assert _wait_until(lambda: ray.get(joining.in_flight.remote()) > 0, within=30)
     moved = pool.remove("rollout server 1", timeout=0)  # no time to drain: what runs there goes to the other
     assert moved >= 1 and pool.live() == [0]
