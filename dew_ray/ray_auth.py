@@ -45,3 +45,4 @@ def token_auth() -> None:
     if made.returncode != 0 or not has_token():
         raise RuntimeError(f"`ray get-auth-token --generate` did not make Ray's token ({TOKEN_FILE}): "
                            f"{made.stderr.strip()[-500:]}")
+    TOKEN_FILE.chmod(0o600)  # Ray writes it with the umask's mode (often world-readable): the token is a password
