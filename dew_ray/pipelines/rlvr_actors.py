@@ -23,6 +23,7 @@ sandbox runners, environment workers and judge servers with ``max_restarts=resta
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import secrets
 
@@ -48,7 +49,7 @@ from dew_ray.pipelines.rlvr_job import (
     trainer_job,
 )
 from dew_ray.actors.rollout_server_actor import RolloutServerActor
-from dew_ray.placement import Role, RolePlacement
+from dew_ray.placement import RolePlacement
 from dew.recipes.rlvr_recipe import SANDBOX_LIMITS
 
 
@@ -126,8 +127,8 @@ class RLVRActors:
         config = self.setup.config
         if config.engine != "native":
             raise ValueError("adding servers during a run needs engine='native' (vLLM engines are a fixed fleet)")
-        placement = RolePlacement({"rollout server": Role(count, config.server_cpus, 0.0, config.server_strategy,
-                                                          config.server_resources)}, timeout=wait, name=name)
+        role = dataclasses.replace(config.roles()["rollout server"], count=count)  # as the run's own servers ask
+        placement = RolePlacement({"rollout server": role}, timeout=wait, name=name)
         first = len(self.pool.servers)
         names = [f"rollout server {first + i}" for i in range(count)]
         actors = [RolloutServerActor.options(**placement.options("rollout server", i), **self.restarts)

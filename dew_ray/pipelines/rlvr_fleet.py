@@ -2,8 +2,8 @@
 
 A run starts ``servers`` rollout servers. With ``servers_max`` above it, the fleet grows into
 nodes that join the cluster: before each update the driver looks for nodes that were not there
-at the last look, and when one has come and the cluster has room for one more server (the CPUs
-of ``server_cpus`` and the node resources of ``server_resources`` free), it starts one there or
+at the last look, and when one has come and the cluster has room for one more server (a bundle of
+``server_cpus``, ``server_gpus`` and ``server_resources`` free, the run's own servers' bundle), it starts one there or
 wherever Ray finds the room (:meth:`RLVRFleet.grow`). Only a node's arrival starts a server: a
 fleet shrunk by hand stays shrunk. ``add_servers(n)`` and ``remove_servers(n)`` on the
 pipeline change it by hand, within the bounds. A server added mid-run starts stale: it refuses
@@ -81,7 +81,7 @@ class RLVRFleet:
 
     def _room(self) -> bool:
         free = ray.available_resources()
-        asked = {"CPU": self.config.server_cpus, **self.config.server_resources}
+        asked = self.config.roles()["rollout server"].bundle()  # one server's bundle, as its placement asks
         return all(free.get(key, 0.0) >= amount for key, amount in asked.items())
 
     def _log(self, actors: RLVRActors, step: int, change: str, names: list[str], **more) -> None:
