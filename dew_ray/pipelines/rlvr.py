@@ -222,8 +222,9 @@ class RLVRPipeline:
                                    judge_tokenizer=plan.judge.tokenizer if plan.judge else None,
                                    judge_eos_ids=plan.judge_eos_ids, judge_parse=plan.judge_parse)
         # Every actor's CPUs are reserved at once, in one place, before anything starts.
-        self.actors = actors = RLVRActors(setup, name=f"dew-rlvr-{self.run_dir.resolve().name}")
-        self.fleet = RLVRFleet(config, self.run_dir, name=f"dew-rlvr-{self.run_dir.resolve().name}")
+        name = f"dew-rlvr-{self.run_dir.resolve().name}"  # names the placement groups and the actors
+        self.actors = actors = RLVRActors(setup, name=name)
+        self.fleet = RLVRFleet(config, self.run_dir, name=name)
         self.placement = actors.placement.where()
         for where in self.placement:  # every start, a recovery's too: where the actors stand now
             print(f"placement: {where.describe()}", flush=True)
