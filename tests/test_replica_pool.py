@@ -162,6 +162,36 @@ def test_a_sweep_sets_the_silent_aside_and_leaves_the_gone_out_before_a_load():
     pool.close()
 
 
+def test_a_replica_that_says_it_is_away_is_set_aside_not_given_up_and_comes_back_under_a_new_name():
+    """away(index) (a vLLM engine whose process is gone while its host starts it again): read at every choice, it
+    sets the replica aside at once (its pieces abandoned, the publisher told), never dead; ``ready`` waits for it as
+    ``take`` does; once its probe answers and it rejoins it takes pieces again, under the name it came back with."""
+    replicas = Scripted(2)
+    gone = {1}
+    pool = ReplicaPool(["replica 0", "replica 1"], probe=replicas.probe, rejoin=replicas.rejoin,
+                       on_aside=replicas.aside.append, away=lambda index: index in gone, wait=5.0)
+    replicas.answers[1] = "silent"  # not answering while its host starts it again
+    assert spread(pool, 4) == {0} and pool.aside() == [1] and not pool.dead() and replicas.aside == [1]
+    replicas.answers[0] = "silent"
+    pool.set_aside(0, "it stalled")
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(pool.ready()))
+    waiter.start()
+    time.sleep(0.3)
+    assert not waited  # nothing live: a load waits like a draw
+    pool.rename(1, "replica 1 again")
+    gone.clear()
+    replicas.answers[1] = "serving 3"
+    waiter.join(10)
+    assert waited == [True] and pool.live() == [1] and (1, "serving 3") in replicas.rejoined
+    assert pool.names == ["replica 0", "replica 1 again"] and spread(pool, 3) == {1}
+    with pytest.raises(ValueError, match="the pool already has a replica named 'replica 0'"):
+        pool.rename(1, "replica 0")
+    pool.close()
+    with pytest.raises(ValueError, match="come back \\(away\\) are set aside, which needs a probe"):
+        ReplicaPool(["a"], away=lambda index: False)
+
+
 def test_bad_pools_are_refused_by_name():
     with pytest.raises(ValueError, match="a pool of engines needs at least one"):
         ReplicaPool([], what="engine")

@@ -25,7 +25,6 @@ from conftest import ROOT, free_port, import_from, make_parity_judge  # noqa: E4
 
 from dew.collection.scoring import completion_ids  # noqa: E402
 from dew.data.verifiable import task_tokenizer  # noqa: E402
-from dew.inference import wire  # noqa: E402
 from dew.recipes.run_inputs import load_tokenizer  # noqa: E402
 from dew.records.verl_rows import from_verl, to_verl  # noqa: E402
 from dew_ray.pipelines.rlvr import RLVRPipeline, RLVRPipelineConfig, load_config  # noqa: E402
@@ -188,66 +187,6 @@ def read_verl_rows(run: Path, line: dict) -> list:
         (call,) = session.calls
         assert call.behavior_log_probs and max(call.behavior_log_probs) <= 0 and call.finish_reason in ("stop", "length")
     return sessions
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_the_pipeline_trains_from_vllm_rollouts_published_by_safetensors_reload(tmp_path, qwen3_gsm8k):
-    from dew.inference.engines import build_engine_env, engine_python
-
-    engine_python("vllm") or build_engine_env("vllm")  # .ci/run builds it first; a failed build fails here
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    run = tmp_path / "run"
-    try:
-        # the engines serve a user's model: the tiny Qwen3 with Qwen3's vocabulary, on GSM8K verl rows
-        model, parquet, test = qwen3_gsm8k
-        with RLVRPipeline(tiny(run, engine="vllm", steps=4, model=str(model), prompts=str(parquet),
-                               val_prompts=str(test), slots=8)) as pipeline:
-            pipeline.start()
-            engine = pipeline.actors.servers[0]
-            assert ray.get(engine.healthy.remote())
-            # the engines listen on the node's address: without the run's key, every route but /health is refused
-            url = pipeline.setup.engines[0]
-            assert not wire.loopback(urllib.parse.urlsplit(url).hostname)
-            for path, body in (("/pause?mode=wait", {}), ("/collective_rpc", {"method": "reload_weights"}),
-                               ("/reset_prefix_cache", {}), ("/v1/completions", {"model": "dew-rlvr", "prompt": [1]})):
-                request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                                 headers={"Content-Type": "application/json"})
-                with pytest.raises(urllib.error.HTTPError) as refused:
-                    urllib.request.urlopen(request, timeout=30)
-                assert refused.value.code == 401, path
-            assert urllib.request.urlopen(url + "/health", timeout=30).status == 200
-            group = ray.get(engine.process_group.remote())
-            assert len(processes.group_processes(group)) >= 3  # the guard, vLLM's API server, its engine core and worker
-            rows = pipeline.step(4)
-            assert [row["step"] for row in rows] == [1, 2, 3, 4]
-            assert rows[-1]["scheduler/version"] == 3 and max(row["scheduler/lag"] for row in rows) <= 1
-            summary = pipeline.finish()
-            # every push landed: the engine serves the final policy, to float32 agreement with dew
-            assert max(pipeline.pool.weights.push.published.values()) < 1e-4
-            assert pipeline.pool.version == 4
-        deadline = time.monotonic() + 30  # killing the actor (ray.kill, no close) kills every process of its engine
-        while processes.group_processes(group) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not processes.group_processes(group), f"vLLM processes outlived their actor: {processes.group_processes(group)}"
-    finally:
-        ray.shutdown()
-    assert summary["steps"] == 4 and set(summary["reward_after"]) == {"all", "openai/gsm8k"}
-    from dew.models.pretrained import Pretrained, load_pretrained
-
-    assert Pretrained.from_directory(run / "engine" / "policy").architecture == "Qwen3ForCausalLM"
-    assert (run / "engine" / "policy" / "tokenizer.json").exists()  # the engines' directory is a whole model
-
-    served = load_pretrained(run / "engine" / "policy")[1]  # the engines' directory holds the final policy
-    final = load_pretrained(run / "policy")[1]
-    for got, want in zip(jax_leaves(served), jax_leaves(final)):
-        np.testing.assert_allclose(got, want, atol=float(np.abs(want).max()) * 2 ** -8)  # bfloat16 rounding
-
-
-def jax_leaves(tree):
-    import jax
-
-    return jax.tree.leaves(tree)
 
 
 def test_cluster_configs_are_valid_for_ray_and_kuberay():

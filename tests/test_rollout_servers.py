@@ -326,6 +326,78 @@ def test_an_sglang_replica_set_aside_is_skipped_then_caught_up_from_the_director
         assert publication.version == 5
 
 
+def test_an_engine_started_again_at_another_address_is_followed_caught_up_and_drawn_from(standin_directory,
+                                                                                         tiny_qwen3):
+    """EnginePool(locate=...) over two vLLM stand-ins (the Ray layer's locate asks the engine's actor where it
+    answers; here a function). The first engine goes (it refuses connections): it is set aside at the first draw that
+    finds it gone, the other takes the draws and a load. Once its host has it answering at a new port, the pool and
+    the publisher follow it, catch it up on the newest version from the directory, and it takes draws again. A load
+    that meets an engine gone during the push sweeps and pushes again to the rest; an engine whose host is gone for
+    good is dead."""
+    from dew.inference import EnginePool, ServerDied
+
+    pretrained, variables, _ = tiny_qwen3
+    first, other = VLLMStandIn(standin_directory), VLLMStandIn(standin_directory)
+    where: dict = {0: first.url, 1: other.url}
+
+    def locate(index, wait):
+        if isinstance(where[index], Exception):
+            raise where[index]
+        return where[index]
+
+    push = SafetensorsReload(pretrained, standin_directory, [first.url, other.url], "vllm", served_dtype="float32")
+    publication = Publication(push, version=0)
+    pool = EnginePool([OpenAIRolloutServer(OpenAICompletion("tiny-qwen3", engine_client(url)), Sampling(),
+                                           publication, processed_logprobs=True)
+                       for url in (first.url, other.url)], locate=locate, wait=30)  # no timeout: no sweep
+    engines = [first, other]
+    try:
+        assert all(d.ids for d in [pool.submit([5, 6, 7], 4, seed=s).result(60) for s in range(4)])
+        gone = first.url
+        first.close()
+        where[0] = None  # its host has not started it again yet
+        failed = 0
+        for seed, future in enumerate([pool.submit([5 + s, 6, 7], 4, seed=s) for s in range(6)]):
+            try:
+                assert future.result(60).ids
+            except (EngineError, ServerDied) as error:  # refused, or abandoned when set aside: drawn again on the other
+                assert gone in str(error)
+                failed += 1
+                assert pool.submit([5 + seed, 6, 7], 4, seed=seed).result(60).ids
+        assert 1 <= failed <= 3 and pool.aside() == [0] and pool.live() == [1] and not pool.dead()
+        changed = halved_down_proj(variables)
+        pool.load(changed, 1)
+        assert pool.version == 1 and other.weight_version == "1" and set(push.published) == {other.url}
+        again = VLLMStandIn(standin_directory)  # started again by its host, on the directory, at a new port
+        engines.append(again)
+        assert again.url != gone and again.weight_version == "default"
+        where[0] = again.url
+        deadline = time.monotonic() + 60
+        while pool.aside() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.live() == [0, 1] and push.engines == [again.url, other.url] and not push.aside
+        assert pool.replicas.names == [again.url, other.url] and pool.servers[0].url == f"{again.url}/v1"
+        assert again.weight_version == "1" and push.published[again.url] < 1e-4  # caught up, landing checked
+        calls = len(again.calls)
+        assert all(d.version == 1 and d.ids for d in [pool.submit([5, 6, 7], 4, seed=s).result(60) for s in range(6)])
+        assert any(path == "/v1/completions" for path, _ in again.calls[calls:])
+        # gone before a push (no timeout: no sweep first): the push fails on it, the sweep after sets it aside, and
+        # the push again gives the others the version
+        other.close()
+        where[1] = None
+        pool.load(variables, 2)
+        assert pool.version == 2 and again.weight_version == "2" and pool.aside() == [1]
+        where[1] = ServerDied("its host is gone for good")
+        deadline = time.monotonic() + 30
+        while not pool.dead() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.dead() == [1] and pool.live() == [0]
+    finally:
+        pool.close()
+        for engine in engines:
+            engine.close()
+
+
 def test_publication_stamps_the_launch_version_and_only_successful_pushes(tiny_qwen3):
     stamps, pushes = [], []
 

@@ -19,6 +19,17 @@ its next push) and it takes draws again. A timeout needs a Publication over a pu
 leave a replica out (SafetensorsReload, NCCLPush). A replica that stalls in the middle of a
 push still fails that push after the push's own timeout.
 
+With ``locate`` (``locate(index, timeout)``: the root URL replica ``index``'s engine answers
+at now, None while that is not known yet, ServerDied once no engine will come back), an
+engine that is gone (it refuses the connection, as when its process died) is not given up:
+its host starts it again, perhaps on another node and port. The replica is set aside at once,
+its probe asks ``locate`` where the engine is, points the replica and the publisher at the new
+root (:meth:`~dew.inference.engine_rollout_server.EngineRolloutServer.move`,
+``Publication.move``), and rejoins it as above once it serves the newest weights; until then
+the others take its draws, and ``take`` waits up to ``wait`` seconds for one to come back when
+none is live, as does a load. A load that fails while an engine is gone sweeps the replicas
+and pushes once more to those left.
+
 On a trainer of several processes every process has its pool and sets its own replicas
 aside for its draws; the push runs on one process, which leaves out the replicas its own
 pool set aside.
@@ -26,16 +37,22 @@ pool set aside.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 from dew.inference.engine_rollout_server import EngineRolloutServer, PublishedRolloutServer
 from dew.inference.replica_pool import PooledRolloutServer, ReplicaPool
+from dew.inference.rollout_server import ServerDied
+from dew.inference.wire import EngineError
+
+logger = logging.getLogger(__name__)
 
 
 class EnginePool(PooledRolloutServer, PublishedRolloutServer):
     """Draws spread over engine replicas that share one publisher (see the module docstring)."""
 
-    def __init__(self, servers: Sequence[EngineRolloutServer], timeout: float | None = None):
+    def __init__(self, servers: Sequence[EngineRolloutServer], timeout: float | None = None,
+                 locate: Callable[[int, float | None], str | None] | None = None, wait: float | None = None):
         self.servers = list(servers)
         if not self.servers:
             raise ValueError("EnginePool needs at least one server")
@@ -47,20 +64,65 @@ class EnginePool(PooledRolloutServer, PublishedRolloutServer):
             raise ValueError(f"EnginePool(timeout={timeout!r}) sets silent replicas aside, which needs a publisher "
                              "that can leave one out of its pushes (a Publication over SafetensorsReload or "
                              f"NCCLPush); got {type(self.weights).__name__}")
+        if locate is not None and not callable(getattr(self.weights, "move", None)):
+            raise ValueError("EnginePool(locate=...) follows engines started again elsewhere, which needs a publisher "
+                             f"that can move a replica (a Publication); got {type(self.weights).__name__}")
+        self.locate = locate
         self.replicas = ReplicaPool(
             [server.root for server in self.servers], what="engine", work="draws", timeout=timeout,
-            probe=lambda i, wait: self.servers[i].probe(wait),
-            rejoin=lambda i, served: self.weights.rejoin(self.servers[i].root),
+            probe=self._probe, rejoin=lambda i, served: self.weights.rejoin(self.servers[i].root),
             on_aside=lambda i: self.weights.set_aside(self.servers[i].root),
-            died=lambda i: self.servers[i].died)
+            died=None if locate else lambda i: self.servers[i].died,
+            away=(lambda i: self.servers[i].died) if locate else None, wait=wait)
         self.start_draws()
+
+    def _probe(self, index: int, wait: float | None):
+        """What replica ``index`` answers (see ReplicaPool's probe); with ``locate``, a gone engine is set aside
+        and, once aside, looked for where its host started it again."""
+        server = self.servers[index]
+        try:
+            return server.probe(wait)
+        except ServerDied as error:
+            if self.locate is None:
+                raise
+            gone = error
+        if index not in self.replicas.aside():  # set aside first: looking for it is the probe loop's to do
+            self.replicas.set_aside(index, f"its engine is gone ({gone}); its host starts it again")
+            return None
+        root = self.locate(index, wait)
+        if root is None:
+            return None
+        root = root.rstrip("/")
+        if root != server.root:
+            old = server.root
+            self.weights.move(old, root)
+            server.move(root)
+            self.replicas.rename(index, root)
+            logger.warning("the engine of %s answers at %s now", old, root)
+        try:
+            return server.probe(wait)
+        except ServerDied:  # not serving yet where its host says it is: asked again
+            return None
 
     def load(self, variables, version: int) -> None:
         """Publish once through the shared publisher; with a timeout, the replicas that stopped answering first
         leave the push (see the module docstring)."""
         if self.replicas.timeout is not None:
             self.replicas.sweep()
-        self.weights.load(variables, version)
+        if self.locate is not None:  # every engine gone from where it was: wait for one to come back
+            self.replicas.ready()
+        try:
+            self.weights.load(variables, version)
+        except EngineError as error:
+            if self.locate is None:
+                raise
+            # An engine that went during the push fails it; every process of a trainer retries alike (each one's
+            # push agrees on the outcome), and the engines found gone sit this one out.
+            logger.warning("the load of version %d failed (%s); pushing once more to the engines that answer",
+                           version, error)
+            self.replicas.sweep()
+            self.replicas.ready()
+            self.weights.load(variables, version)
 
     def close(self) -> None:
         super().close()

@@ -54,7 +54,9 @@ class EngineRolloutServer(PublishedRolloutServer):
     of ``workers`` threads; ``url`` names the engine in every error; ``root`` is the
     engine's root URL (default ``url``), where :meth:`probe` asks ``/health``. ``died``
     turns true when the engine refuses a draw's connection (its process is gone), before
-    that draw's future is set, so a pool never chooses it again.
+    that draw's future is set, so a pool never chooses it again (and false when it answers
+    ``/health`` again). :meth:`move` points the server at the engine's new root when its host
+    started it again elsewhere.
     """
 
     def __init__(self, url: str, sampling: Sampling, weights: WeightPublisher, workers: int = 64,
@@ -110,7 +112,20 @@ class EngineRolloutServer(PublishedRolloutServer):
         if status != 200:
             self.died = True
             raise ServerDied(f"{self.root}: /health answered HTTP {status}: the engine reports itself unhealthy")
+        self.died = False
         return True
+
+    def move(self, root: str) -> None:
+        """Draw from the engine at ``root`` from now on (the same engine, started again at another address); draws
+        already sent to the old address end as they will there."""
+        root = root.rstrip("/")
+        self.url = root + self.url[len(self.root):]  # the route under the root stays (OpenAI's /v1)
+        self.root = root
+        self._moved(root)
+        self.died = False
+
+    def _moved(self, root: str) -> None:
+        """What a subclass holds of the engine's address besides ``url`` and ``root`` (a client), made anew."""
 
     def cancel(self, draw: DrawFuture) -> None:
         """Resolve ``draw`` as cancelled now; a request already at the engine runs to its end there, unread."""

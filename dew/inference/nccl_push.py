@@ -28,9 +28,12 @@ restarted, since the engine's side of an aborted group cannot be reused.
 A replica can be left out of pushes while it does not answer (``set_aside(url)``, which an
 :class:`~dew.inference.EnginePool` with a timeout calls). A push cannot catch one replica up
 on its own (it keeps no weights between pushes), so ``rejoin(url, version)`` includes the
-replica in the next push again and says True once it reports ``version``
+replica in the next push again and says True once it reports ``version`` (or a later one,
+in a process that has pushed nothing: another process publishes)
 (``GET /weight_info``): a replica that stalls again during that push fails it, as above.
-A replica's group opens at the first push that includes it.
+A replica's group opens at the first push that includes it. ``move(old, new)`` follows a
+replica its host started again at another address: the old group is aborted, and the new
+address's group opens at the first push that includes it.
 
 Every process of a multi-process trainer calls the push: the tree is gathered to host
 memory leaf by leaf (``collective_host``), and the process holding the first device
@@ -59,8 +62,9 @@ from dew.inference.safetensors_reload import (
     PAUSED,
     each_replica,
     land,
+    move_replica,
     on_one_process,
-    served_version,
+    serves,
     vllm_commit,
     vllm_pause,
 )
@@ -133,6 +137,7 @@ class NCCLPush:
         self.published: dict[str, float] = {}
         self.groups: dict[str, int] = {}
         self.aside: set[str] = set()
+        self.pushed = False  # whether this process has pushed (another process's pushes are not its to match)
         self._broken: str | None = None
 
     def __call__(self, variables, version: int) -> None:
@@ -158,7 +163,14 @@ class NCCLPush:
     def rejoin(self, url: str, version: int) -> bool:
         """Include replica ``url`` in the next push; True once it reports ``version`` (see the module docstring)."""
         self.aside.discard(url)
-        return served_version(url, "vllm", self.timeout) == str(version)
+        return serves(url, "vllm", version, self.timeout, newer=not self.pushed)
+
+    def move(self, old: str, new: str) -> None:
+        """Replica ``old`` answers at ``new`` (see the module docstring); set aside until it rejoins."""
+        move_replica(self, old, new)
+        communicator = self.groups.pop(old.rstrip("/"), None)
+        if communicator is not None:  # the engine's side went with its process
+            self.sender.abort(communicator)
 
     def _publish(self, variables, version: int) -> None:
         if self._broken is not None:
@@ -167,6 +179,7 @@ class NCCLPush:
         targets = [url for url in self.engines if url not in self.aside]
         if not targets:
             raise EngineError(f"no replica to push version {version} to: all {len(self.engines)} are set aside")
+        self.pushed = True
         tensors = self.pretrained.export(variables, self.served_dtype)
         closed = [url for url in targets if url not in self.groups]
         if closed:

@@ -94,6 +94,10 @@ class OpenAICompletion:
     def url(self) -> str:
         return str(getattr(self.client, "base_url", "the engine")).rstrip("/")
 
+    def at(self, root: str) -> OpenAICompletion:
+        """The same served model at the engine root ``root`` (through :func:`engine_client`)."""
+        return OpenAICompletion(self.name, engine_client(root), self.provider)
+
     def check(self) -> None:
         """Raise unless the engine answers ``/v1/models`` and serves ``name``."""
         try:
@@ -181,6 +185,9 @@ class OpenAIRolloutServer(EngineRolloutServer):
                 raise ValueError(f"{self.url}: routing=True reads vLLM's per-choice routed_experts; SGLang has none")
         self.completion, self.processed_logprobs, self.routing, self.timeout = (
             completion, processed_logprobs, routing, timeout)
+
+    def _moved(self, root: str) -> None:
+        self.completion = self.completion.at(root)
 
     def _draw(self, prompt, max_new_tokens, seed, version) -> Draw:
         params = sampling_params(self.sampling, max_new_tokens, seed)

@@ -14,7 +14,9 @@ the pool does the rest, the same way for all of them:
 - **liveness**: a replica is dead for good when a piece ends with ``died=True``, when its own
   word says so (``died(index)``, read at every choice, so a replica that fails at once is never
   the least busy one for long), or when ``probe`` raises
-  :class:`~dew.inference.rollout_server.ServerDied`. A piece that fails for another reason makes
+  :class:`~dew.inference.rollout_server.ServerDied`. A replica whose host starts it again (a
+  vLLM engine under a restarting actor) says so with ``away(index)`` instead, also read at every
+  choice: it is set aside, not given up, and its probe finds it where it comes back. A piece that fails for another reason makes
   the pool probe its replica, on a thread of its own, never under a lock others need: a replica
   slow to answer delays only its own check.
 - **set-aside**: with a ``timeout``, a replica with pieces in flight that answers nothing for
@@ -75,14 +77,16 @@ class ReplicaPool:
     replica and its pieces ("rollout server", "draws"); timeout: seconds of silence before a
     replica is probed and set aside (None: never); probe(index, timeout): what the replica
     serves, None when it answered nothing within ``timeout``, ServerDied when it is gone;
-    rejoin(index, served) -> bool; on_aside(index); died(index) -> bool; wait: seconds ``take``
-    waits for a replica set aside to come back when none is live (None: ``timeout``).
+    rejoin(index, served) -> bool; on_aside(index); died(index) -> bool (gone for good); away(index) -> bool
+    (gone from where it was, coming back: set aside); wait: seconds ``take`` waits for a replica set aside to
+    come back when none is live (None: ``timeout``).
     """
 
     def __init__(self, names: Sequence[str], *, what: str = "replica", work: str = "pieces",
                  timeout: float | None = None, probe: Callable[[int, float], object] | None = None,
                  rejoin: Callable[[int, object], bool] | None = None, on_aside: Callable[[int], None] | None = None,
-                 died: Callable[[int], bool] | None = None, wait: float | None = None):
+                 died: Callable[[int], bool] | None = None, away: Callable[[int], bool] | None = None,
+                 wait: float | None = None):
         self.names = [str(name) for name in names]
         if not self.names:
             raise ValueError(f"a pool of {what}s needs at least one")
@@ -91,9 +95,11 @@ class ReplicaPool:
             positive("timeout", timeout, why="seconds, or None")
             if probe is None:
                 raise ValueError(f"a timeout sets silent {what}s aside, which needs a probe to find them answering")
+        if away is not None and probe is None:
+            raise ValueError(f"{what}s that come back (away) are set aside, which needs a probe to find them again")
         self.what, self.work, self.timeout = what, work, timeout
         self.wait = timeout if wait is None else wait
-        self._probe, self._rejoin, self._on_aside, self._died = probe, rejoin, on_aside, died
+        self._probe, self._rejoin, self._on_aside, self._died, self._away = probe, rejoin, on_aside, died, away
         count = len(self.names)
         self._pending: list[set[Ticket]] = [set() for _ in range(count)]
         self._answered = [time.monotonic()] * count
@@ -171,6 +177,13 @@ class ReplicaPool:
         return self._abandon(index, ServerDied(f"{self.names[index]} was removed from the pool; its {self.work} "
                                                "go to the others"))
 
+    def rename(self, index: int, name: str) -> None:
+        """Call replica ``index`` ``name`` from now on (a replica that came back at another address)."""
+        with self._lock:
+            if str(name) in self.names[:index] + self.names[index + 1:]:
+                raise ValueError(f"the pool already has a {self.what} named {name!r}")
+            self.names[index] = str(name)
+
     def in_flight(self, index: int) -> int:
         with self._lock:
             return len(self._pending[index])
@@ -179,16 +192,27 @@ class ReplicaPool:
 
     def take(self) -> Ticket:
         """A ticket on the least busy live replica (see the module docstring for when none is live)."""
+        for index in self.live() if self._away is not None else ():
+            if self._away(index):
+                self.set_aside(index, "it is gone from where it was; its host starts it again")
         ticket = self._take()
-        if ticket is None and self.wait is not None and self.aside():  # one may answer again soon
-            until = time.monotonic() + self.wait
-            while (ticket := self._take()) is None and self.aside() and time.monotonic() < until:
-                time.sleep(0.05)
+        if ticket is None and self.ready():  # one answered again
+            ticket = self._take()
         if ticket is None:
             waited = f" (waited {self.wait:g} s for one to come back)" if self.wait is not None and self.aside() else ""
             raise RuntimeError(f"no {self.what} of the pool takes {self.work}: of {len(self.names)} started, "
                                f"{len(self.dead())} died and {len(self.aside())} stopped answering{waited}")
         return ticket
+
+    def ready(self) -> bool:
+        """Whether a replica takes work, waiting up to ``wait`` seconds for one set aside to come back when none
+        does (as ``take`` does; a publisher about to load with every replica aside waits so too)."""
+        if self.live():
+            return True
+        until = time.monotonic() + (self.wait or 0.0)
+        while not self.live() and self.aside() and time.monotonic() < until:
+            time.sleep(0.05)
+        return bool(self.live())
 
     def _take(self) -> Ticket | None:
         with self._lock:

@@ -26,9 +26,12 @@ EngineError naming each failed replica and the rule.
 A replica can be left out of pushes while it does not answer (``set_aside(url)``, which an
 :class:`~dew.inference.EnginePool` with a timeout calls); ``rejoin(url, version)`` takes it
 back once it serves ``version`` (the version it reports: vLLM's ``GET /weight_info``,
-SGLang's ``GET /get_model_info``), first catching it up when the directory holds that
-version and this process wrote it: the replica sequence, then the landing check against
-the probe values of that push.
+SGLang's ``GET /get_model_info``; in a process that has pushed nothing, any pushed version
+from ``version`` on: another process publishes, as the trainers do while the driver's pool
+only measures), first catching it up when the directory holds that version and this process
+wrote it: the replica sequence, then the landing check
+against the probe values of that push. ``move(old, new)`` follows a replica its host started
+again at another address (it stays set aside until it rejoins).
 
 ``Publication(push, version=v0, stamp=None)`` makes a push a :class:`WeightPublisher`:
 ``load(variables, v)`` runs the push, then the stamp, and moves ``version`` to ``v`` only
@@ -146,19 +149,26 @@ class SafetensorsReload:
         self.aside.add(url)
 
     def rejoin(self, url: str, version: int) -> bool:
-        """Include replica ``url`` in pushes again if it serves ``version``, caught up first when this process wrote
-        that version (see the module docstring); an EngineError from the catch-up raises, and it stays aside."""
+        """Include replica ``url`` in pushes again if it serves ``version`` (or newer, in a process that pushed
+        nothing), caught up first when this process wrote that version (see the module docstring); an EngineError
+        from the catch-up raises, and it stays aside."""
         with self._lock:
-            if served_version(url, self.engine, self.timeout) != str(version) and self._written is not None \
+            newer = self._written is None  # another process publishes: what it pushed last is served
+            if not serves(url, self.engine, version, self.timeout, newer) and self._written is not None \
                     and self._written[0] == version:
                 (self._vllm if self.engine == "vllm" else self._sglang)(url, version)
                 if self.landing is not None:
                     self.published.update(land(self.landing, [url], self.engine, self._written[1], version,
                                                self.timeout))
-            if served_version(url, self.engine, self.timeout) != str(version):
+            if not serves(url, self.engine, version, self.timeout, newer):
                 return False
             self.aside.discard(url)
             return True
+
+    def move(self, old: str, new: str) -> None:
+        """Replica ``old`` answers at ``new`` from now on (see the module docstring)."""
+        with self._lock:
+            move_replica(self, old, new)
 
     def _vllm(self, url: str, version: int) -> None:
         vllm_pause(url, self.timeout)
@@ -186,6 +196,32 @@ def served_version(url: str, engine: str, timeout: float) -> str | None:
     version = answer.get("weight_version") if isinstance(answer, dict) else None
     return None if version is None else str(version)
 PAUSED = f"{DEV}; the replica stays paused"
+
+
+def serves(url: str, engine: str, version: int, timeout: float, newer: bool = False) -> bool:
+    """Whether the replica at ``url`` serves ``version`` (with ``newer``, or a later pushed one; vLLM's "default"
+    of an engine never pushed to is no pushed version)."""
+    served = served_version(url, engine, timeout)
+    if not newer:
+        return served == str(version)
+    try:
+        return served is not None and int(served) >= version
+    except ValueError:
+        return False
+
+
+def move_replica(push, old: str, new: str) -> None:
+    """In ``push`` (its ``engines``, ``aside`` and ``published``), replica ``old`` becomes ``new``; set aside until
+    it rejoins."""
+    old, new = old.rstrip("/"), new.rstrip("/")
+    if old not in push.engines:
+        raise ValueError(f"{old} is not one of this push's replicas {push.engines}")
+    if new != old and new in push.engines:
+        raise ValueError(f"{new} is already one of this push's replicas {push.engines}")
+    push.engines[push.engines.index(old)] = new
+    push.aside.discard(old)
+    push.aside.add(new)
+    push.published.pop(old, None)
 
 
 def vllm_pause(url: str, timeout: float) -> None:
@@ -274,6 +310,10 @@ class Publication(WeightPublisher):
         """Bring ``replica`` back into the pushes once it serves this publication's version (caught up first if the
         push can do it now); True when it does."""
         return self._replicas("rejoin").rejoin(replica, self._version)
+
+    def move(self, old: str, new: str) -> None:
+        """Replica ``old`` answers at ``new`` from now on (a push with replicas), set aside until it rejoins."""
+        self._replicas("move").move(old, new)
 
     def _replicas(self, what: str):
         if not callable(getattr(self.push, what, None)):

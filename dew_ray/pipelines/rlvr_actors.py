@@ -69,7 +69,7 @@ class RLVRActors:
         self.removed: list[str] = []  # servers taken out during the run
         self.judge_pool = None
         self.placement = RolePlacement(config.roles(), name=name)
-        # a lost server, runner or worker comes back in its bundle (vLLM engines and trainers are not restarted)
+        # a lost server, engine, runner or worker comes back in its bundle (a lost trainer restarts the run's actors)
         self.restarts = {"max_restarts": config.restarts}
 
     def start_roles(self, params, runner, judge=None) -> None:
@@ -109,7 +109,8 @@ class RLVRActors:
             actors, setup.engines = start_vllm_engines(
                 directory, config.servers, name=ENGINE_MODEL, dtype=config.engine_dtype, max_model_len=setup.width,
                 max_num_seqs=config.slots, args=engine_args(config), placement=placement, api_key=setup.engine_key,
-                **({"python": config.engine_python} if config.engine_python else {}))
+                **self.restarts, **({"python": config.engine_python} if config.engine_python else {}))
+            setup.engine_hosts = actors
             # The driver's own pushes (the final policy, for the held-out measure) go through the disk whatever
             # engine_push the trainers use: the driver holds no GPU to broadcast from.
             self.pool = engine_rollouts(setup, version=-1)

@@ -54,6 +54,7 @@ class Setup:
     template_options: dict = dataclasses.field(default_factory=dict)
     engines: list[str] | None = None  # engine="vllm": the engines' URLs, serving engine_policy(run_dir)
     engine_key: str | None = None  # their API key (one per start of the run's actors; it travels inside Ray only)
+    engine_hosts: list | None = None  # their VLLMEngineActors, one per URL: asked where an engine that came back is
     environment: object = None  # the environment factory (config environment); None: single-turn draws
     context_tokens: int | None = None  # with an environment, the longest context a model call reads
     demonstrations: object = None  # how the built-in warm start writes a task's demonstration (None: the plain one)
@@ -124,7 +125,7 @@ def engine_rollouts(setup: Setup, version: int, push: str = "reload"):
     return vllm_rollouts(setup.pretrained, engine_policy(setup.run_dir), setup.engines, setup.sampling(),
                          name=ENGINE_MODEL, version=version, served_dtype=config.engine_dtype,
                          nccl_library=library if push == "nccl" else None, timeout=config.server_timeout,
-                         api_key=setup.engine_key)
+                         api_key=setup.engine_key, hosts=setup.engine_hosts)
 
 
 def judge_pool(setup: Setup) -> ServerPool | None:
