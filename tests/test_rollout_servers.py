@@ -27,6 +27,7 @@ from dew.inference import (
     OpenAIRolloutServer,
     Publication,
     SafetensorsReload,
+    ServerDied,
     VLLMGenerateServer,
     engine_client,
 )
@@ -102,8 +103,9 @@ def test_vllm_refusals_name_the_engine_and_the_rule(vllm_engine, vllm):
     with pytest.raises(EngineError, match=r"127\.0\.0\.1.*does not serve model 'dew'.*tiny-qwen3"):
         wrong.submit([1, 2], 2).result(timeout=60)
     gone = OpenAIRolloutServer(OpenAICompletion("tiny-qwen3", engine_client("http://127.0.0.1:9")), Sampling(), publication)
-    with pytest.raises(EngineError, match=r"127\.0\.0\.1:9.*failed"):
-        gone.submit([1, 2], 2).result(timeout=60)
+    with pytest.raises(ServerDied, match=r"127\.0\.0\.1:9.*failed.*the engine is gone: its draws go to the others"):
+        gone.submit([1, 2], 2).result(timeout=60)  # no engine there: drawn again elsewhere
+    assert gone.died
     with pytest.raises(ValueError, match=r"prompt_ids\[1\]"):
         OpenAIRolloutServer(completion, Sampling(), publication).submit([1, -2], 2)
 
@@ -334,7 +336,7 @@ def test_an_engine_started_again_at_another_address_is_followed_caught_up_and_dr
     the publisher follow it, catch it up on the newest version from the directory, and it takes draws again. A load
     that meets an engine gone during the push sweeps and pushes again to the rest; an engine whose host is gone for
     good is dead."""
-    from dew.inference import EnginePool, ServerDied
+    from dew.inference import EnginePool
 
     pretrained, variables, _ = tiny_qwen3
     first, other = VLLMStandIn(standin_directory), VLLMStandIn(standin_directory)
@@ -360,7 +362,7 @@ def test_an_engine_started_again_at_another_address_is_followed_caught_up_and_dr
         for seed, future in enumerate([pool.submit([5 + s, 6, 7], 4, seed=s) for s in range(6)]):
             try:
                 assert future.result(60).ids
-            except (EngineError, ServerDied) as error:  # refused, or abandoned when set aside: drawn again on the other
+            except ServerDied as error:  # refused, or abandoned when set aside: drawn again on the other
                 assert gone in str(error)
                 failed += 1
                 assert pool.submit([5 + seed, 6, 7], 4, seed=seed).result(60).ids
@@ -504,7 +506,7 @@ def test_a_stalled_vllm_engine_is_set_aside_and_rejoins_caught_up(vllm_engine, t
     import os
     import signal
 
-    from dew.inference import EnginePool, ServerDied
+    from dew.inference import EnginePool
     from dew.inference.safetensors_reload import served_version
 
     pretrained, variables, _ = tiny_qwen3

@@ -43,7 +43,6 @@ from collections.abc import Callable, Sequence
 from dew.inference.engine_rollout_server import EngineRolloutServer, PublishedRolloutServer
 from dew.inference.replica_pool import PooledRolloutServer, ReplicaPool
 from dew.inference.rollout_server import ServerDied
-from dew.inference.wire import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +112,11 @@ class EnginePool(PooledRolloutServer, PublishedRolloutServer):
             self.replicas.ready()
         try:
             self.weights.load(variables, version)
-        except EngineError as error:
+        except RuntimeError as error:  # EngineError where the push ran, RuntimeError naming it on the others
             if self.locate is None:
                 raise
             # An engine that went during the push fails it; every process of a trainer retries alike (each one's
-            # push agrees on the outcome), and the engines found gone sit this one out.
+            # push raises when it failed anywhere), and the engines found gone sit this one out.
             logger.warning("the load of version %d failed (%s); pushing once more to the engines that answer",
                            version, error)
             self.replicas.sweep()

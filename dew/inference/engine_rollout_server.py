@@ -55,7 +55,10 @@ class EngineRolloutServer(PublishedRolloutServer):
     engine's root URL (default ``url``), where :meth:`probe` asks ``/health``. ``died``
     turns true when the engine refuses a draw's connection (its process is gone), before
     that draw's future is set, so a pool never chooses it again (and false when it answers
-    ``/health`` again). :meth:`move` points the server at the engine's new root when its host
+    ``/health`` again). A draw that gets no answer because the connection failed or broke (the
+    engine is gone, or went during the draw) fails as :class:`ServerDied`, which callers draw
+    again on another server; one that timed out or was answered with an error fails as the
+    EngineError saying so. :meth:`move` points the server at the engine's new root when its host
     started it again elsewhere.
     """
 
@@ -92,6 +95,10 @@ class EngineRolloutServer(PublishedRolloutServer):
             except BaseException as error:  # the caller learns why from the future
                 if refused(error):
                     self.died = True
+                if isinstance(error, EngineUnreachable) and not error.timed_out:  # gone, or went during the draw
+                    gone = ServerDied(f"{error}; the engine is gone: its draws go to the others")
+                    gone.__cause__ = error
+                    error = gone
                 settle(future, error=error)
             else:
                 settle(future, draw)

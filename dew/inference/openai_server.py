@@ -44,7 +44,7 @@ import openai
 from dew.inference.publisher import WeightPublisher
 from dew.inference.engine_rollout_server import EngineRolloutServer, decode_routed_experts, sampling_params
 from dew.inference.rollout_server import Draw
-from dew.inference.wire import EngineError, api_key
+from dew.inference.wire import EngineError, EngineUnreachable, api_key
 from dew.records.actions import token_ids
 from dew.sampling import Sampling
 from dew.validation import one_of
@@ -58,6 +58,14 @@ def engine_client(url: str):
     to repeat)."""
     return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key(url) or "none", max_retries=0)
 ID_FIELD = {"vllm": "return_tokens_as_token_ids", "sglang": "return_token_ids"}
+
+
+def failure(error: Exception, message: str) -> EngineError:
+    """The EngineError for the client's ``error``: EngineUnreachable when no answer came (the connection failed or
+    broke, or timed out), as ``wire.call`` says it."""
+    if isinstance(error, openai.APIConnectionError):
+        return EngineUnreachable(message, timed_out=isinstance(error, openai.APITimeoutError))
+    return EngineError(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +111,7 @@ class OpenAICompletion:
         try:
             served = [model.id for model in self.client.models.list()]
         except Exception as error:  # the client's own errors: connection, status
-            raise EngineError(f"{self.url}: GET /models failed ({type(error).__name__}: {error})") from None
+            raise failure(error, f"{self.url}: GET /models failed ({type(error).__name__}: {error})") from None
         if self.name not in served:
             raise EngineError(f"{self.url}: the engine does not serve model {self.name!r}; it serves {served}")
         self._checked.set()
@@ -123,9 +131,8 @@ class OpenAICompletion:
                 extra_body=extra, timeout=timeout, **standard)
         except Exception as error:  # openai's APIStatusError / APIConnectionError, named with the engine
             status = getattr(error, "status_code", None)
-            raise EngineError(
-                f"{self.url}: /completions failed{f' with HTTP {status}' if status else ''} ({error})"
-            ) from None
+            raise failure(error, f"{self.url}: /completions failed{f' with HTTP {status}' if status else ''} "
+                                 f"({error})") from None
         data = answer.model_dump() if hasattr(answer, "model_dump") else dict(answer)
         return Completion(choices=[self._choice(c) for c in data.get("choices") or []], model=data.get("model", ""))
 
