@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -142,6 +143,9 @@ def build_engine_env(engine: str, python: str | None = None, quiet: bool = True)
 # Ray SIGKILLs an actor's direct children when the actor dies, the guard among them, so the engine's server
 # process also gets SIGTERM when the guard dies, and shuts its engine core and workers down itself.
 GUARDED = Path(__file__).parent / "engine_side"  # dew_vllm_guard.py, alone on the engine's PYTHONPATH
+# Read once: an engine started again later (VLLMEngineHost.url) may outlive the files it was imported from (a Ray
+# worker's unpacked working_dir), so each engine gets its own copy in a folder of its own.
+GUARD_MIDDLEWARE = (GUARDED / "dew_vllm_guard.py").read_text()
 
 GUARD = """
 import ctypes, os, signal, subprocess, sys
@@ -234,15 +238,22 @@ class VLLMEngine:
         environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1",
                        **(env or {})}
         environment.pop("VLLM_API_KEY", None)  # a key is the caller's choice (api_key), not an inherited one
+        self._side = None
         if api_key is not None:
             command += ["--middleware", "dew_vllm_guard.EveryRoute"]
             environment["VLLM_API_KEY"] = api_key  # read by vLLM and by the guard: never on a command line
-            environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(GUARDED), environment.get("PYTHONPATH")]))
+            self._side = Path(tempfile.mkdtemp(prefix="dew-vllm-guard-"))
+            (self._side / "dew_vllm_guard.py").write_text(GUARD_MIDDLEWARE)
+            environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self._side), environment.get("PYTHONPATH")]))
             authorize(f"http://{host}:{self.port}", api_key)
         self.command = command
         self._log = open(self.log_path, "ab")
+        # vLLM's processes resolve paths against their working directory at import (transformers'
+        # Path("src").resolve()): they run in the model's folder, not in the caller's, which may be gone (a Ray
+        # worker's unpacked working_dir, removed while a long-lived actor still stands in it).
         self.process = subprocess.Popen([str(python), "-c", GUARD, str(os.getpid()), *command], stdout=self._log,
-                                        stderr=subprocess.STDOUT, env=environment, start_new_session=True)
+                                        stderr=subprocess.STDOUT, env=environment, start_new_session=True,
+                                        cwd=self.model.parent if self.model.is_absolute() else None)
         try:
             self._wait(startup_timeout)
         except BaseException:
@@ -293,6 +304,8 @@ class VLLMEngine:
                     pass
                 self.process.wait(timeout=10)
         self._log.close()
+        if self._side is not None:
+            shutil.rmtree(self._side, ignore_errors=True)
 
     def __enter__(self):
         return self

@@ -65,14 +65,12 @@ class VLLMEngineHost:
         self.launch = dict(model=model, name=name, dtype=dtype, max_model_len=max_model_len, args=args, env=env,
                            host=host, **options)
         self.engine = VLLMEngine(**self.launch)
-        self.starts = 1
 
     def url(self) -> str:
         """The engine's root URL; an engine whose process has exited is started again first (a new port)."""
         if self.engine.process.poll() is not None:
             self.engine.close()  # what is left of its process group goes
             self.engine = VLLMEngine(**self.launch)
-            self.starts += 1
         return self.engine.url
 
     def serving(self) -> tuple[int, bool]:
