@@ -254,3 +254,37 @@ def test_the_vllm_guard_asks_for_the_key_on_every_route_but_health(monkeypatch):
     # an engine beyond loopback is refused without a key before anything starts
     with pytest.raises(ValueError, match="beyond loopback, with its development routes"):
         VLLMEngine("/nonexistent", host="10.0.0.12")
+
+
+def test_an_engine_guard_killed_outright_still_takes_its_whole_group_down():
+    """Ray SIGKILLs an actor's direct children when the actor dies: the engine's guard itself, which then cannot act.
+    Its warden (forked into the group) is told and kills the group, here a program that ignores SIGTERM as vLLM's
+    server does when its graceful shutdown waits on a request its engine core will never finish."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import import_from
+    from dew.inference.engines import GUARD
+
+    processes = import_from("bench", "processes")
+    actor = subprocess.Popen([sys.executable, "-c", GUARD, str(os.getpid()), "sh", "-c", "trap '' TERM; sleep 600"],
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(processes.group_processes(actor.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(processes.group_processes(actor.pid)) >= 3  # the guard, its warden, the program (and its sleep)
+        os.kill(actor.pid, signal.SIGKILL)
+        actor.wait(10)
+        deadline = time.monotonic() + 10
+        while processes.group_processes(actor.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not processes.group_processes(actor.pid), processes.group_processes(actor.pid)
+    finally:
+        try:
+            os.killpg(actor.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

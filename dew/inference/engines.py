@@ -140,8 +140,10 @@ def build_engine_env(engine: str, python: str | None = None, quiet: bool = True)
 
 # Runs ``argv[2:]`` in its own process group (the guard leads it) and kills the whole group when the process
 # that started the guard (``argv[1]``) dies; standard library only, so any environment's Python runs it.
-# Ray SIGKILLs an actor's direct children when the actor dies, the guard among them, so the engine's server
-# process also gets SIGTERM when the guard dies, and shuts its engine core and workers down itself.
+# Ray SIGKILLs an actor's direct children when the actor dies, the guard among them, which then cannot act: a
+# warden forked into the group (a child of the guard, not of the actor) is told of the guard's death and kills
+# the group. The engine's server gets SIGTERM too, but its graceful shutdown waits forever on a request in flight
+# once its engine core is gone (seen in a chaos run), so it is not relied on.
 GUARDED = Path(__file__).parent / "engine_side"  # dew_vllm_guard.py, alone on the engine's PYTHONPATH
 # Read once: an engine started again later (VLLMEngineHost.url) may outlive the files it was imported from (a Ray
 # worker's unpacked working_dir), so each engine gets its own copy in a folder of its own.
@@ -155,6 +157,13 @@ signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
 death_signal()
 if os.getppid() != parent:  # it died before the line above took effect
     os.killpg(0, signal.SIGKILL)
+guard = os.getpid()
+if os.fork() == 0:  # the warden: the same SIGTERM handler, told when the guard dies
+    death_signal()
+    if os.getppid() != guard:
+        os.killpg(0, signal.SIGKILL)
+    while True:
+        signal.pause()
 sys.exit(subprocess.Popen(sys.argv[2:], preexec_fn=death_signal).wait())
 """
 
