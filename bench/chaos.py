@@ -60,6 +60,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,15 +112,21 @@ class RayHead:
 
 class RayWorkerNode:
     """A worker raylet joined to ``address`` (``ray start --address ... --block`` in a session of its own) offering
-    ``cpus`` CPUs and the ``rollout`` resource; ``lose()`` SIGKILLs the whole session, as a node that vanishes."""
+    ``cpus`` CPUs and the ``rollout`` resource; ``lose()`` SIGKILLs the whole session, as a node that vanishes.
+
+    Each node has a temporary directory of its own, as a machine of a real cluster has its disk: raylets that
+    share one also share the unpacked ``working_dir`` of the job, and one node's runtime-env agent removing it
+    (its own workers done with it) pulled it from under the other nodes' workers (a restarted actor then failed
+    to import pydantic, and vLLM engines started again in a folder that no longer existed)."""
 
     def __init__(self, address: str, env: dict, cpus: int, label: str):
         self.label = label
+        self.temp_dir = tempfile.mkdtemp(prefix="dew-chaos-node-")
         self.process = subprocess.Popen(
             [str(Path(sys.executable).parent / "ray"), "start", f"--address={address}", f"--num-cpus={cpus}",
              f'--resources={{"rollout": {4 * cpus}, "{label}": 1}}', "--object-store-memory=300000000", "--block",
-             "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
+             f"--temp-dir={self.temp_dir}", "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
 
     def joined(self, within: float = 120.0) -> bool:
         """Wait until the cluster lists this node alive (needs ``ray.init`` in this process)."""
@@ -136,6 +143,7 @@ class RayWorkerNode:
         except ProcessLookupError:
             pass
         self.process.wait(timeout=60)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 # ----- the injector -----------------------------------------------------------------------------------------------
