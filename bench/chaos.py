@@ -68,7 +68,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dew_ray.ray_auth import token_auth
@@ -164,31 +164,25 @@ def pick(rng: random.Random, kinds: list[str], wanted: str | None) -> str | None
     return rng.choice(kinds)
 
 
-def stall(rng: random.Random, pid: int | None, past: float | None) -> bool:
-    """SIGSTOP ``pid`` for 0.5 to 3 s, or for 2.5 to 4 times ``past`` seconds when given, then SIGCONT; False if gone."""
-    if pid is None or not signal_process(pid, signal.SIGSTOP):
+def stall(rng: random.Random, send: Callable[[int], bool], past: float | None) -> bool:
+    """SIGSTOP through ``send`` (a signal to a process, or to an engine's process group) for 0.5 to 3 s, or for 2.5
+    to 4 times ``past`` seconds when given, then SIGCONT; False if what it signals is gone."""
+    if not send(signal.SIGSTOP):
         return False
     time.sleep(rng.uniform(2.5, 4.0) * past if past is not None else rng.uniform(0.5, 3.0))
-    signal_process(pid, signal.SIGCONT)
+    send(signal.SIGCONT)
     return True
 
 
 def signal_group(group: int | None, sig: int) -> bool:
     """Send ``sig`` to process group ``group``; False when it is gone."""
+    if group is None:
+        return False
     try:
         os.killpg(group, sig)
-        return group is not None
-    except (ProcessLookupError, TypeError):
+        return True
+    except ProcessLookupError:
         return False
-
-
-def stall_group(rng: random.Random, group: int | None, past: float | None) -> bool:
-    """``stall`` for a whole process group (an engine's processes)."""
-    if not signal_group(group, signal.SIGSTOP):
-        return False
-    time.sleep(rng.uniform(2.5, 4.0) * past if past is not None else rng.uniform(0.5, 3.0))
-    signal_group(group, signal.SIGCONT)
-    return True
 
 
 def kill_newest_under(pid: int | None, within: float, naming: str = "") -> bool:
@@ -332,11 +326,13 @@ class Injector:
             self._killed[(incarnation, role)] += 1
         elif kind.startswith("SIGSTOP rollout server"):
             past = self.server_timeout if kind.endswith("past its timeout") else None
-            if not stall(self.random, self._pid(name, namespace), past):
+            pid = self._pid(name, namespace)
+            if not stall(self.random, lambda sig: pid is not None and signal_process(pid, sig), past):
                 return None
         elif kind.startswith("SIGSTOP vLLM engine"):
             past = self.server_timeout if kind.endswith("past its timeout") else None
-            if not stall_group(self.random, self._engine_group(name, namespace), past):
+            group = self._engine_group(name, namespace)
+            if not stall(self.random, lambda sig: signal_group(group, sig), past):
                 return None
         elif kind == "SIGKILL vLLM engine":  # its actor starts it again at a new address
             if not signal_group(self._engine_group(name, namespace), signal.SIGKILL):
