@@ -16,9 +16,9 @@ the pool does the rest, the same way for all of them:
   the least busy one for long), or when ``probe`` raises
   :class:`~dew.inference.rollout_server.ServerDied`. A replica whose host starts it again (a
   vLLM engine under a restarting actor) says so with ``away(index)`` instead, also read at every
-  choice: it is set aside, not given up, and its probe finds it where it comes back. A piece that fails for another reason makes
-  the pool probe its replica, on a thread of its own, never under a lock others need: a replica
-  slow to answer delays only its own check.
+  choice: it is set aside, not given up, and its probe finds it where it comes back. A piece
+  that fails for another reason makes the pool probe its replica, on a thread of its own, never
+  under a lock others need: a replica slow to answer delays only its own check.
 - **set-aside**: with a ``timeout``, a replica with pieces in flight that answers nothing for
   ``timeout`` seconds is probed, and if the probe goes unanswered for ``timeout`` seconds too,
   it is set aside: each of its pieces is abandoned (the function given with
