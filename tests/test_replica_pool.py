@@ -38,10 +38,10 @@ class Scripted:
         self.rejoined.append((index, served))
         return self.rejoin_says(index, served) if callable(self.rejoin_says) else self.rejoin_says
 
-    def pool(self, timeout=None, died=None):
+    def pool(self, timeout=None, died=None, away=None, wait=None):
         return ReplicaPool([f"replica {i}" for i in range(len(self.answers))], what="replica", work="pieces",
                            timeout=timeout, probe=self.probe, rejoin=self.rejoin, on_aside=self.aside.append,
-                           died=died)
+                           died=died, away=away, wait=wait)
 
 
 def until(condition, seconds=10.0):
@@ -168,8 +168,7 @@ def test_a_replica_that_says_it_is_away_is_set_aside_not_given_up_and_comes_back
     ``take`` does; once its probe answers and it rejoins it takes pieces again, under the name it came back with."""
     replicas = Scripted(2)
     gone = {1}
-    pool = ReplicaPool(["replica 0", "replica 1"], probe=replicas.probe, rejoin=replicas.rejoin,
-                       on_aside=replicas.aside.append, away=lambda index: index in gone, wait=5.0)
+    pool = replicas.pool(away=lambda index: index in gone, wait=5.0)
     replicas.answers[1] = "silent"  # not answering while its host starts it again
     assert spread(pool, 4) == {0} and pool.aside() == [1] and not pool.dead() and replicas.aside == [1]
     replicas.answers[0] = "silent"
