@@ -55,6 +55,7 @@ from dew.sampling import Sampling
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 from dew_ray.actors import RemoteEnvironmentSource, start_environment_workers, start_rollout_servers
 from chaos import actor_pid, kill_newest_under, pick, print_faults_and_invariants, stall
+from processes import signal_process
 from load import sharp_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +111,7 @@ class EpisodeInjector:
             ray.kill(actor, no_restart=True)
             self.live[role].remove(actor)
         elif kind.startswith("SIGSTOP"):
-            if not stall(self.random, pid, self.server_timeout if kind.endswith("past its timeout") else None):
+            if not stall(self.random, lambda sig: pid is not None and signal_process(pid, sig), self.server_timeout if kind.endswith("past its timeout") else None):
                 return None
         elif not kill_newest_under(pid, within=2, naming=str(WORKER)):  # a tool process of the worker
             return None
