@@ -24,6 +24,10 @@ one fault at a time into the live pipeline (its actors carry names, ``RolePlacem
 - with ``--nodes`` and ``--set servers_max=M`` above ``servers``: the rollout fleet grows
   into each node that joins (a replaced node's newcomer), which the report lists from
   ``fleet.jsonl``; a ``ray.kill`` always leaves another actor of its role listed;
+- with ``--set servers_max=M`` above ``servers`` (or ``servers_min`` below it): fleet changes
+  by hand, "fleet add" and "fleet remove" of one server, queued for the driver as ``dew-ray
+  fleet`` queues them (:func:`dew_ray.pipelines.rlvr_fleet.ask`, a drain of
+  ``server_timeout``); the driver applies or refuses each before its next update;
 - with ``--engine vllm`` the rollout servers are vLLM engines under their actors, and the
   server faults become: SIGSTOP of an engine's processes (0.5 to 3 s, or 2.5 to 4 times
   ``server_timeout``), SIGKILL of an engine's processes (its actor starts it again), SIGKILL
@@ -45,8 +49,12 @@ throughout (a restarted one serves nothing until it has loaded). After the run:
   version served is the one it was loaded with);
 - checkpoint: the final checkpoint's parameters equal the exported policy's bit for bit,
   and a resumed driver said which update it resumed at, one its checkpoints held;
+- fleet requests: each one asked was applied or refused, once, in ``fleet.jsonl``, or was
+  still queued when the run ended; none was left taken;
 - sandbox: no program the injector killed was reported COMPLETED (checked by
   ``sandbox_chaos``: a SandboxFleet running programs while some are SIGKILLed).
+
+The checks are ``bench/chaos_checks.py``'s.
 
     uv run python bench/chaos.py [--steps 40] [--seed 0] [--every 3] [--nodes 2] [--trainer-kills 1]
         [--set servers_max=5] [--engine vllm]
@@ -75,15 +83,12 @@ from dew_ray.ray_auth import token_auth
 
 token_auth()  # the head and raylets this bench starts ask for Ray's token; the mode is read when ray is imported
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
 import ray  # noqa: E402
 
+from chaos_checks import check_run, fleet_log, print_faults_and_invariants, sandbox_chaos  # noqa: E402
 from dew.inference.engines import free_port  # noqa: E402
-from dew.models.pretrained import Pretrained  # noqa: E402
-from dew.records.verl_rows import from_verl  # noqa: E402
-from dew.sandbox import ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict  # noqa: E402
+from dew_ray.pipelines.rlvr_config import load_config  # noqa: E402
+from dew_ray.pipelines.rlvr_fleet import FleetRequest, ask  # noqa: E402
 from processes import descendants, signal_process, stop_ray_head  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,9 +215,11 @@ class Injector:
     """Seeded faults into the actors of the run whose actor names start with ``prefix`` (see the module docstring)."""
 
     def __init__(self, prefix: str, seed: int, servers: int, runners: int, server_timeout: float,
-                 nodes: list | None = None, add_node=None, trainer_kills: int = 0, engine: str = "native"):
+                 nodes: list | None = None, add_node=None, trainer_kills: int = 0, engine: str = "native",
+                 run_dir: Path | None = None, fleet: tuple[int, int] | None = None):
         self.prefix, self.random, self.server_timeout = prefix, random.Random(seed), server_timeout
-        self.engine = engine
+        self.engine, self.run_dir, self.fleet = engine, run_dir, fleet
+        self.requests: list[str] = []  # the ids of the fleet requests asked, in order
         self.limits = {"rollout-server": servers - 1, "sandbox-runner": runners - 1}
         self.nodes, self.add_node, self.trainer_kills = nodes if nodes is not None else [], add_node, trainer_kills
         self.faults: Counter = Counter()
@@ -296,7 +303,17 @@ class Injector:
             kinds.append("remove node")
         if self.faults["ray.kill trainer"] < self.trainer_kills and actors["trainer"]:
             kinds.append("ray.kill trainer")
+        if self.fleet is not None:  # changes by hand, as `dew-ray fleet` asks them of the driver
+            low, high = self.fleet
+            kinds += ["fleet add"] * (len(actors["rollout-server"]) < high)
+            kinds += ["fleet remove"] * (len(actors["rollout-server"]) > low)
         kind = pick(self.random, kinds, wanted)
+        if kind in ("fleet add", "fleet remove"):  # applied (or refused) before the driver's next update
+            request = FleetRequest(change=kind.split()[1], count=1, drain=self.server_timeout)
+            self.requests.append(ask(self.run_dir, request))
+            self.faults[kind] += 1
+            self.log.append({"time": time.time(), "fault": kind, "request": self.requests[-1]})
+            return kind
         if kind == "remove node":
             lost = self.nodes.pop(self.random.randrange(len(self.nodes)))
             lost.lose()
@@ -385,8 +402,10 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
             return node
 
         live = [add_node() for _ in range(nodes)]
+        low, high = load_config(None, settings).fleet_bounds()
         injector = Injector(f"dew-rlvr-{name}-", seed + 1, servers, runners, server_timeout, nodes=live,
-                            add_node=add_node, trainer_kills=trainer_kills, engine=engine)
+                            add_node=add_node, trainer_kills=trainer_kills, engine=engine, run_dir=run_dir,
+                            fleet=(low, high) if (low, high) != (servers, servers) else None)
         injector.start()
         deadline = time.monotonic() + timeout
         driver_killed, scripted = False, list(first)
@@ -432,137 +451,20 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
         for node in workers:
             node.lose()
         head.stop()
-    invariants = check_run(run_dir, injector.versions, resumed_at, exit_code)
+    invariants = check_run(run_dir, injector.versions, resumed_at, exit_code, injector.requests)
     return {"steps": steps, "seed": seed, "servers": servers, "runners": runners, "driver_runs": driver_runs,
             "faults": dict(injector.faults), "injected": sum(injector.faults.values()),
             "survived": sum(injector.faults.values()) if invariants["finished"]["ok"] else 0,
             "resumed_at": resumed_at, "recoveries": recoveries, "nodes": nodes, "engine": engine,
-            "fleet": _fleet(run_dir),
+            "fleet": fleet_log(run_dir),
             "invariants": invariants,
             "log": injector.log,
             "last_output": outputs[-1][-3000:] if outputs else ""}
 
 
-def _fleet(run_dir: Path) -> list[dict]:
-    """The run's fleet changes (fleet.jsonl: with servers_max above servers, a node that joins gets a server)."""
-    path = run_dir / "fleet.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _updates(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-# ----- the invariants ---------------------------------------------------------------------------------------------
-
-
-def check_run(run_dir: Path, versions: dict[str, list[int]], resumed_at: list[int], exit_code: int) -> dict:
-    config = json.loads((run_dir / "config.json").read_text())
-    steps, samples, per_step = config["steps"], config["samples"], config["tasks_per_step"]
-    out: dict[str, dict] = {}
-    summary = run_dir / "summary.json"
-    finished = exit_code == 0 and summary.exists() and json.loads(summary.read_text())["steps"] == steps
-    out["finished"] = {"ok": finished, "detail": f"exit {exit_code}, summary {'present' if summary.exists() else 'absent'}"}
-    metrics = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    out["updates once each"] = {"ok": [row["step"] for row in rows] == list(range(1, steps + 1)),
-                                "detail": f"{len(rows)} rows"}
-    keys, broken, mismatched = [], [], []
-    for row in rows:
-        path = run_dir / "verl_rows" / f"update-{row['step']:06d}.jsonl"
-        sessions = [t.session for t in from_verl([json.loads(x) for x in path.read_text().splitlines()])]
-        groups: dict[tuple, list[int]] = {}
-        for session in sessions:
-            groups.setdefault((session.task.id, session.group), []).append(session.sample)
-            keys.append((session.task.id, session.group, session.sample))
-        broken += [(row["step"], group) for group, drawn in groups.items() if sorted(drawn) != list(range(samples))]
-        if len(groups) != per_step or sorted({task for task, _ in groups}) != sorted(row["tasks"]):
-            mismatched.append(row["step"])
-    out["whole groups"] = {"ok": not broken, "detail": f"{len(broken)} broken groups {broken[:3]}"}
-    out["no sample trained twice"] = {"ok": len(keys) == len(set(keys)),
-                                      "detail": f"{len(keys)} rollouts, {len(keys) - len(set(keys))} repeated"}
-    out["no group lost"] = {"ok": not mismatched and len(keys) == steps * per_step * samples,
-                            "detail": f"{len(keys)} of {steps * per_step * samples} rollouts; updates off: {mismatched}"}
-    down = {name: seen for name, seen in versions.items() if any(b < a for a, b in zip(seen, seen[1:]))}
-    out["versions never go back"] = {"ok": not down and bool(versions),
-                                     "detail": f"{sum(map(len, versions.values()))} polls of {len(versions)} servers, "
-                                               f"versions {min(map(min, versions.values()), default=None)} to "
-                                               f"{max(map(max, versions.values()), default=None)}"}
-    out["checkpoint equals the policy"] = checkpoint_matches_policy(run_dir)
-    kept = sorted(int(p.name) for p in (run_dir / "grpo").glob("*") if p.name.isdigit())
-    out["resumed at a checkpoint"] = {"ok": all(0 < step <= steps for step in resumed_at),
-                                      "detail": f"resumed at {resumed_at}; checkpoints now {kept}"}
-    return out
-
-
-def checkpoint_matches_policy(run_dir: Path) -> dict:
-    """The newest checkpoint's parameters (the first leaves of its train state) against the exported policy."""
-    if not (run_dir / "policy" / "config.json").exists():
-        return {"ok": False, "detail": "no exported policy (the run did not finish)"}
-    manager = ocp.CheckpointManager((run_dir / "grpo").absolute())
-    step = manager.latest_step()
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
-    manager.close()
-    policy = jax.tree.leaves(Pretrained.from_directory(run_dir / "policy").load())
-    saved = [np.asarray(state[name]) for name in sorted(state)[: len(policy)]]
-    equal = all(a.shape == b.shape and np.array_equal(a, np.asarray(b)) for a, b in zip(saved, policy, strict=True))
-    return {"ok": equal, "detail": f"checkpoint {step}: {len(policy)} arrays {'bit-equal' if equal else 'DIFFER'}"}
-
-
-# ----- the sandbox under kills ------------------------------------------------------------------------------------
-
-
-def sandbox_chaos(programs: int, seed: int, workers: int = 2) -> dict:
-    """``programs`` sleeping programs on a SandboxFleet while a seeded killer SIGKILLs the processes of some; every
-    killed program's verdict must be something other than COMPLETED."""
-    rng = random.Random(seed)
-    marker = f"dew-chaos-{os.getpid()}-{seed}"
-    fleet = SandboxFleet(ProcessRunner(), limits=SandboxLimits(wall_seconds=30), workers=workers)
-    killed: set[int] = set()
-    stop = threading.Event()
-
-    def killer():
-        while not stop.wait(rng.uniform(0.05, 0.3)):
-            for entry in Path("/proc").iterdir():
-                if not entry.name.isdigit():
-                    continue
-                try:
-                    line = (entry / "cmdline").read_bytes().decode(errors="replace")
-                except OSError:
-                    continue
-                if marker in line and "#" in line and rng.random() < 0.5:
-                    index = int(line.split(marker + "-")[1].split()[0].strip("\x00#'\""))
-                    if signal_process(int(entry.name), signal.SIGKILL):
-                        killed.add(index)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    try:
-        sources = [f"import time  # {marker}-{i}\ntime.sleep({rng.uniform(0.2, 0.6):.2f})\nprint('done {i}')\n"
-                   for i in range(programs)]
-        outcomes = fleet.map([Program(argv=("python3", "-c", source)) for source in sources])
-    finally:
-        stop.set()
-        thread.join()
-        fleet.close()
-    completed_killed = sorted(i for i in killed if outcomes[i].verdict is Verdict.COMPLETED)
-    return {"programs": programs, "killed": len(killed), "verdicts": dict(Counter(o.verdict.value for o in outcomes)),
-            "killed_reported_completed": completed_killed, "ok": bool(killed) and not completed_killed}
-
-
-def print_faults_and_invariants(result: dict) -> None:
-    """The faults injected, and survived if the run finished, and each invariant's verdict."""
-    survived = result["injected"] if result["invariants"]["finished"]["ok"] else 0
-    print(f"  faults injected {result['injected']}, survived {survived}:")
-    for kind, count in sorted(result["faults"].items()):
-        print(f"    {kind:<40} {count}")
-    for change in result.get("fleet", []):
-        print(f"  fleet after update {change['step']}: {change['change']} {', '.join(change['servers'])} "
-              f"({change.get('why', 'asked')}), {change['size']} servers")
-    print("  invariants:")
-    for name, verdict in result["invariants"].items():
-        print(f"    {'ok  ' if verdict['ok'] else 'FAIL'} {name:<30} {verdict['detail']}")
 
 
 def main() -> None:

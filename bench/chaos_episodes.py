@@ -54,7 +54,8 @@ from dew.records.session_records import Status, Task
 from dew.sampling import Sampling
 from dew.sandbox import SandboxLimits, SubprocessEnvironment
 from dew_ray.actors import RemoteEnvironmentSource, start_environment_workers, start_rollout_servers
-from chaos import actor_pid, kill_newest_under, pick, print_faults_and_invariants, stall
+from chaos import actor_pid, kill_newest_under, pick, stall
+from chaos_checks import print_faults_and_invariants
 from processes import signal_process
 from load import sharp_decoder
 

@@ -9,7 +9,9 @@ checkpoint, or the story decoder after a short training) through the native
 continuous-batching server's OpenAI-compatible HTTP front. ``dew-ray sft``, ``dew-ray dpo``
 and ``dew-ray grpo`` train one stage in this process on a Hugging Face model directory and a
 data file, as TRL's CLI does (:mod:`dew.recipes.stage_files`); ``dew-ray chain`` runs a chain
-of them on Ray (:mod:`dew_ray.pipelines.chain`).
+of them on Ray (:mod:`dew_ray.pipelines.chain`). ``dew-ray fleet RUN_DIR --add N`` (or
+``--remove N``) asks the driver of a running ``dew-ray rlvr`` to change its rollout fleet
+before its next update and prints the outcome (:mod:`dew_ray.pipelines.rlvr_fleet`).
 """
 
 from __future__ import annotations
@@ -144,6 +146,49 @@ def rlvr(args: argparse.Namespace) -> int:
     return 0
 
 
+APPLYING = 330.0  # seconds a taken fleet request may take: an added server's placement waits up to 300 s
+
+
+def fleet(args: argparse.Namespace) -> int:
+    from dew_ray.pipelines.rlvr_fleet import FleetRequest, ask, outcome, withdraw
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.json").exists():
+        print(f"error: {run_dir} is not the directory of a dew-ray rlvr run (it has no config.json)", file=sys.stderr)
+        return 2
+    if (run_dir / "summary.json").exists():
+        print(f"error: the run in {run_dir} has finished (summary.json): its fleet no longer changes", file=sys.stderr)
+        return 2
+    try:
+        request = FleetRequest(change="add" if args.add is not None else "remove",
+                               count=args.add if args.add is not None else args.remove, drain=args.drain)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    ident = ask(run_dir, request)
+    if args.wait == 0:
+        print(f"asked: {request.change} {request.count} rollout server(s) (request {ident}); the driver applies it "
+              f"before its next update and logs the outcome in {run_dir / 'fleet.jsonl'}")
+        return 0
+    until = time.monotonic() + args.wait
+    while (entry := outcome(run_dir, ident)) is None:
+        if time.monotonic() >= until and withdraw(run_dir, ident):
+            print(f"error: the driver did not take the request within {args.wait:g} s (is the run training?); "
+                  "withdrawn", file=sys.stderr)
+            return 3
+        if time.monotonic() >= until + APPLYING:  # taken, but a driver that died holding it answers nothing
+            print(f"error: the driver took request {ident} but logged no outcome within {APPLYING:g} s; a rerun of "
+                  f"the run applies it (see {run_dir / 'fleet.jsonl'})", file=sys.stderr)
+            return 3
+        time.sleep(0.5)  # past the wait, a request the driver took is being applied: its outcome is coming
+    if entry["change"] == "refused":
+        print(f"refused after update {entry['step']}: {entry['refused']}", file=sys.stderr)
+        return 1
+    print(f"after update {entry['step']}: {entry['change']} {', '.join(entry['servers'])}; the fleet has "
+          f"{entry['size']} rollout server(s)")
+    return 0
+
+
 def stage(args: argparse.Namespace) -> int:
     from dew.config import load_config
     from dew.recipes.stage_files import StageRun, run_stage
@@ -228,6 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     main_job.add_argument("--steps", type=int, default=None, help="GRPO updates")
     main_job.add_argument("--address", default=None, help="a running Ray cluster (default: RAY_ADDRESS or a local one)")
     main_job.set_defaults(run=rlvr)
+    changed = commands.add_parser("fleet", help="add or remove rollout servers of a running dew-ray rlvr (applied "
+                                                "before its next update)")
+    changed.add_argument("run_dir", help="the run's directory (every node of the run shares it)")
+    how = changed.add_mutually_exclusive_group(required=True)
+    how.add_argument("--add", type=int, metavar="N", help="start N more rollout servers (at most servers_max in all)")
+    how.add_argument("--remove", type=int, metavar="N", help="take the N newest live rollout servers out (at least "
+                                                             "servers_min stay)")
+    changed.add_argument("--drain", type=float, default=30.0, help="seconds a removed server's draws get to finish "
+                                                                   "before they are drawn again on the others")
+    changed.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the driver to take the request "
+                                                                   "(then it is withdrawn; 0: queue it and return)")
+    changed.set_defaults(run=fleet)
     demo = commands.add_parser("sft-demo", help="train the tiny built-in decoder on the built-in story corpus")
     demo.add_argument("--steps", type=int, default=200)
     demo.add_argument("--batch", type=int, default=16)

@@ -66,3 +66,27 @@ def test_serve_answers_over_http():
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_fleet_requests_go_to_a_running_runs_directory_and_are_withdrawn_when_no_driver_takes_them(capsys, tmp_path):
+    """``dew-ray fleet`` refuses a directory that holds no run or a finished run and a count below 1, queues a request
+    the driver's model reads back (``--wait 0``), and withdraws one no driver took within ``--wait``. The driver's
+    side is tests/test_multinode.py's fleet test."""
+    from dew_ray.pipelines.rlvr_fleet import REQUESTS, FleetRequest
+
+    assert main(["fleet", str(tmp_path), "--add", "1"]) == 2
+    assert "is not the directory of a dew-ray rlvr run (it has no config.json)" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["fleet", str(tmp_path), "--add", "0"]) == 2
+    assert "count" in capsys.readouterr().err and not (tmp_path / REQUESTS).exists()
+    assert main(["fleet", str(tmp_path), "--remove", "2", "--drain", "5", "--wait", "0"]) == 0
+    (queued,) = (tmp_path / REQUESTS).glob("*.json")
+    assert queued.stem in capsys.readouterr().out
+    assert FleetRequest.model_validate_json(queued.read_text()) == FleetRequest(change="remove", count=2, drain=5)
+    queued.unlink()
+    assert main(["fleet", str(tmp_path), "--add", "1", "--wait", "0.2"]) == 3
+    assert "did not take the request within 0.2 s" in capsys.readouterr().err
+    assert list((tmp_path / REQUESTS).iterdir()) == []
+    (tmp_path / "summary.json").write_text("{}")
+    assert main(["fleet", str(tmp_path), "--add", "1"]) == 2
+    assert "has finished" in capsys.readouterr().err

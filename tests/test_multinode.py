@@ -28,8 +28,10 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import import_from  # noqa: E402
 from dew.inference import wire  # noqa: E402
+from dew_ray.cli import main as dew_ray_command  # noqa: E402
 from dew_ray.pipelines.rlvr import PreflightError, RLVRPipeline  # noqa: E402
 from dew_ray.pipelines.rlvr_config import load_config  # noqa: E402
+from dew_ray.pipelines.rlvr_fleet import REQUESTS  # noqa: E402
 from dew_ray.pipelines.run_dirs import shared_on_nodes  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -172,8 +174,10 @@ def test_the_rollout_fleet_grows_into_a_joining_node_and_shrinks_on_request(thre
     """servers=1 of servers_max=2, each server asking for a whole rollout node ({"rollout": 4}): the one rollout node
     left holds the first, so there is no room until a node joins mid-run. Before the next update the fleet grows into
     it: the new server serves the trainer's newest weights and the update is trained with two servers. Then
-    remove_servers(1) takes it out (its draws drain or are drawn again), and the run trains on with one; every batch
-    once, each change in fleet.jsonl and in the rows' fleet/servers."""
+    remove_servers(1) takes it out (its draws drain or are drawn again). Then, from outside the driver as a
+    command-line run is changed, three requests are queued in the run directory: a malformed one and `dew-ray fleet
+    --remove 2` are refused, `dew-ray fleet --add 1` (waiting for its outcome) starts a server before the last update;
+    every batch once, each change and refusal in fleet.jsonl and in the rows' fleet/servers."""
     cluster, _ = three_nodes
     config = load_config(None, TINY, run_dir=str(tmp_path / "fleet"), servers=1, servers_max=2, steps=3,
                          trainer_resources={"trainer": 1}, server_resources={"rollout": 4})
@@ -194,15 +198,33 @@ def test_the_rollout_fleet_grows_into_a_joining_node_and_shrinks_on_request(thre
         assert pipeline.remove_servers(1, timeout=5) == ["rollout server 1"]
         with pytest.raises(ValueError, match="would pass servers_min=1"):
             pipeline.remove_servers(1)
+        requests = tmp_path / "fleet" / REQUESTS
+        requests.mkdir()
+        (requests / f"{0:020d}-bad.json").write_text('{"change": "grow"}')  # sorts first: asked first
+        codes = []
+        asking = threading.Thread(target=lambda: codes.append(dew_ray_command(
+            ["fleet", str(tmp_path / "fleet"), "--add", "1", "--wait", "120"])))
+        asking.start()
+        assert wait_for(lambda: len(list(requests.glob("*.json"))) == 2, within=30)
+        assert dew_ray_command(["fleet", str(tmp_path / "fleet"), "--remove", "2", "--wait", "0"]) == 0
         assert [row["step"] for row in pipeline.step(1)] == [3]
+        asking.join(30)
+        assert codes == [0] and list(requests.iterdir()) == []
+        added = pipeline.actors.servers[-1]
+        assert wait_for(lambda: serving(added) == serving(first) and serving(added)[0] >= 2, within=60), \
+            (serving(added), serving(first))  # the weights update 3 drew with, on every server
         summary = pipeline.finish()
         with pytest.raises(ray.exceptions.ActorDiedError, match="killed by `ray.kill`"):  # the removed one ended
             ray.get(grown.serving.remote(), timeout=30)
-    assert [row["fleet/servers"] for row in pipeline.rows] == [1, 2, 1] and summary["steps"] == 3
+    assert [row["fleet/servers"] for row in pipeline.rows] == [1, 2, 2] and summary["steps"] == 3
     fleet = [json.loads(line) for line in (tmp_path / "fleet" / "fleet.jsonl").read_text().splitlines()]
     assert [(entry["step"], entry["change"], entry["servers"], entry["size"]) for entry in fleet] == [
-        (1, "add", ["rollout server 1"], 2), (2, "remove", ["rollout server 1"], 1)]
+        (1, "add", ["rollout server 1"], 2), (2, "remove", ["rollout server 1"], 1), (2, "refused", [], 1),
+        (2, "add", ["rollout server 2"], 2), (2, "refused", [], 2)]
     assert fleet[0]["why"] == f"node {joined.node_id[:8]} joined"
+    assert fleet[2]["request"] == f"{0:020d}-bad" and "is not a fleet request" in fleet[2]["refused"]
+    assert fleet[4]["refused"] == "removing 2 rollout server(s) of 2 live would pass servers_min=1"
+    assert fleet[3]["request"] < fleet[4]["request"]  # served in the order asked
     trained = [task for row in pipeline.rows for task in row["tasks"]]
     assert len(trained) == len(set(trained)) == 3 * 2
     cluster.remove_node(joined)

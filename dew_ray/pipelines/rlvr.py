@@ -312,6 +312,7 @@ class RLVRPipeline:
         new = []
         while len(new) < count and self.step_count < self.config.steps:
             try:
+                self.fleet.serve_requests(self.actors, self.step_count)
                 self.fleet.grow(self.actors, self.step_count)
                 results = step_group(self.trainers, 1)
             except RayActorError as error:  # a trainer (or its node) was lost: the run goes on from its checkpoint
