@@ -1,6 +1,7 @@
 """The RLVR pipeline under seeded faults (bench/chaos.py at a test's size): actors killed with ray.kill and SIGKILL,
 a rollout server stalled with SIGSTOP (briefly, and once past the pools' server_timeout, so its replies are lost while
-it lives), sandbox programs killed, and the driver SIGKILLed once and run again. The run must finish, and every
+it lives), sandbox programs killed, the driver SIGKILLed once and run again, and rollout servers added and removed
+by requests to the driver (dew-ray fleet's). The run must finish, and every
 invariant read back from its run directory must hold. Then tool episodes (bench/chaos_episodes.py) with their
 environment workers and tool processes killed."""
 
@@ -15,12 +16,15 @@ TINY = ["sft_steps=10", "tasks_per_step=2", "samples=4", "max_new_tokens=40", "e
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_pipeline_finishes_under_faults_and_keeps_its_invariants(tmp_path):
-    result = chaos.chaos_run(tmp_path / "chaos", steps=7, seed=1, every=1.5, options=TINY, server_timeout=5,
-                             first=["SIGSTOP rollout server past its timeout"])
+    result = chaos.chaos_run(tmp_path / "chaos", steps=7, seed=1, every=1.5, options=[*TINY, "servers_max=4"],
+                             server_timeout=5,
+                             first=["SIGSTOP rollout server past its timeout", "fleet add", "fleet remove"])
     failed = {name: verdict["detail"] for name, verdict in result["invariants"].items() if not verdict["ok"]}
     assert not failed, (failed, result["log"], result["last_output"])
     assert result["faults"].get("SIGKILL driver") == 1 and result["driver_runs"] == 2
     assert result["injected"] >= 3 and result["faults"].get("SIGSTOP rollout server past its timeout"), result["log"]
+    assert result["faults"].get("fleet add") and "fleet requests answered" in result["invariants"], result["log"]
+    assert any(change["change"] == "add" and change.get("request") for change in result["fleet"]), result["fleet"]
 
 
 def test_the_sandbox_never_reports_a_killed_program_completed():

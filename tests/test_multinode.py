@@ -5,6 +5,7 @@ The cluster: a head offering the custom resource ``trainer`` and two worker node
 labels a CPU pool and an inference pool. A further node, started under bubblewrap with a private empty directory
 mounted over the run directory, is a node that does not share it."""
 
+import functools
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from conftest import import_from  # noqa: E402
 from dew.inference import wire  # noqa: E402
 from dew_ray.cli import main as dew_ray_command  # noqa: E402
+from dew_ray.pipelines import rlvr as rlvr_module  # noqa: E402
 from dew_ray.pipelines.rlvr import PreflightError, RLVRPipeline  # noqa: E402
 from dew_ray.pipelines.rlvr_config import load_config  # noqa: E402
 from dew_ray.pipelines.rlvr_fleet import REQUESTS  # noqa: E402
@@ -108,12 +110,25 @@ def test_a_run_directory_one_node_does_not_share_is_refused_naming_the_node(thre
         node.wait(60)
 
 
-def test_roles_are_placed_where_the_config_says_and_a_lost_node_is_healed(three_nodes, tmp_path):
+def step_then_lose(step_group, trainers, count):
+    """``step_group`` once, then the trainer lost before anything else reaches it (its update's checkpoint), once."""
+    results = step_group(trainers, count)
+    rlvr_module.step_group = step_group
+    ray.kill(trainers[0])
+    with pytest.raises(ray.exceptions.RayActorError):
+        while True:  # until Ray reports it dead: the checkpoint's call then finds it lost
+            ray.get(trainers[0].__ray_call__.remote(lambda host: None), timeout=30)
+    return results
+
+
+def test_roles_are_placed_where_the_config_says_and_a_lost_node_is_healed(three_nodes, tmp_path, monkeypatch):
     """Two rollout servers spread over the two rollout nodes, the one sandbox runner on one of them, the trainer on
     the head. After the first update the node holding the sandbox runner (and one server) is removed: Ray restarts both
     on the surviving rollout node, the restarted server loads the current weights before it draws, and the run
-    goes on. No server's version ever goes back. Then the trainer is killed: the driver starts the run's actors
-    again from the last checkpoint, trains the last update once, and every server serves the final version."""
+    goes on. No server's version ever goes back. Then the trainer is lost after the last update, before that update's
+    checkpoint: the driver starts the run's actors again from the last checkpoint and trains the update again; and
+    once more before the end (finish resumes from the final checkpoint). The last update is trained once in the rows,
+    and every server serves the final version."""
     cluster, workers = three_nodes
     config = load_config(None, TINY, run_dir=str(tmp_path / "healed"), servers=2, restarts=2, server_timeout=5,
                          verl_rows=True, **ON_ROLLOUT_NODES)
@@ -154,11 +169,14 @@ def test_roles_are_placed_where_the_config_says_and_a_lost_node_is_healed(three_
             moved = {(w.role, w.index): w.node for w in pipeline.actors.placement.where()}
             assert moved[("sandbox runner", 0)] == survivor and moved[("rollout server", 0)] == survivor
             assert moved[("rollout server", 1)] == survivor
-            # a lost trainer: the driver starts the run's actors again from the last checkpoint and goes on
-            ray.kill(pipeline.trainers[0])
+            # a trainer lost after update 3, before its checkpoint: the driver starts the run's actors again from
+            # the last checkpoint (update 2) and trains update 3 again
+            monkeypatch.setattr(rlvr_module, "step_group", functools.partial(step_then_lose, rlvr_module.step_group))
             assert [row["step"] for row in pipeline.step(1)] == [3]
+            assert pipeline.recoveries == 1
+            ray.kill(pipeline.trainers[0])  # and one lost before the end: finish resumes at update 3, then exports
             summary = pipeline.finish()
-            assert summary["recoveries"] == 1
+            assert summary["recoveries"] == 2
             assert [serving(a) for a in pipeline.actors.servers] == [(3, False)] * 2
         finally:
             stop.set()

@@ -345,7 +345,12 @@ class RLVRPipeline:
             if self.config.verl_rows:
                 self._write_verl_rows(self.step_count, verl_rows)
             if self.step_count % self.config.checkpoint_every == 0 or self.step_count == self.config.steps:
-                ray.get([trainer.save.remote() for trainer in self.trainers])
+                try:
+                    ray.get([trainer.save.remote() for trainer in self.trainers])
+                except RayActorError as error:  # lost before its checkpoint held the update: trained again
+                    self._recover(error)
+                    new = [kept for kept in new if kept["step"] <= self.step_count]
+                    continue
             self.rows.append(row)
             new.append(row)
             if self.step_count in self.config.eval_steps():
@@ -415,7 +420,13 @@ class RLVRPipeline:
 
     def finish(self) -> dict:
         """Measure the final policy on the held-out tasks, export it, plot the run and write summary.json."""
-        params = ray.get([trainer.snapshot.remote() for trainer in self.trainers])[0]  # a collective of the group
+        while True:
+            try:
+                params = ray.get([trainer.snapshot.remote() for trainer in self.trainers])[0]  # a collective
+                break
+            except RayActorError as error:  # lost at the end: resumed from its checkpoint, which holds the last update
+                self._recover(error)
+                self.step(self.config.steps - self.step_count)
         self.pool.load(params, self.step_count)
         after = self._measure()
         if self.held_out_curve[-1]["step"] != self.step_count:
