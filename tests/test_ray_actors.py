@@ -319,6 +319,25 @@ def test_a_stopped_rollout_server_is_set_aside_and_rejoins(cluster, serving, sha
     pool.load(sharp_decoder[1], 2)
     assert [ray.get(s.actor.version.remote()) for s in pool.servers] == [2, 2]
     assert all(d.version == 2 for d in [pool.submit([20, 21], 4, seed=s).result(60) for s in range(4)])
+    # Both stopped (a lost node's servers while Ray starts them again): once both are set aside, a draw made again
+    # waits for one to rejoin (up to RESTART_WAIT), well past the timeout, rather than failing.
+    pids = [ray.get(server.actor.__ray_call__.remote(lambda host: os.getpid())) for server in pool.servers]
+    for each in pids:
+        os.kill(each, signal.SIGSTOP)
+    resume = threading.Timer(8 * timeout, lambda: [os.kill(each, signal.SIGCONT) for each in pids])
+    began = time.monotonic()
+    resume.start()
+    drawn = None
+    try:
+        for _ in range(3):  # the scheduler's way: a draw failed as ServerDied is drawn again
+            try:
+                drawn = pool.submit([20, 21], 4, seed=9).result(60)
+                break
+            except ServerDied:
+                continue
+        assert drawn is not None and drawn.ids and drawn.version == 2 and time.monotonic() - began >= 8 * timeout
+    finally:
+        resume.join()
     pool.close()
     for server in pool.servers:
         ray.kill(server.actor)

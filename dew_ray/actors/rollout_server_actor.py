@@ -46,7 +46,7 @@ from dew.inference import (
 )
 from dew.inference.replica_pool import PooledRolloutServer, ReplicaPool
 from dew.inference.rollout_server import settle
-from dew_ray.actors.actor_replicas import actor_lost, answer
+from dew_ray.actors.actor_replicas import RESTART_WAIT, actor_lost, answer
 from dew_ray.actors.keyed_calls import KeyedCalls
 from dew_ray.weight_broadcast import WeightBroadcast
 from dew.validation import positive_int
@@ -235,7 +235,10 @@ class ServerPool(PooledRolloutServer):
     it aside as well). It is probed again until it answers; then it loads the pool's newest
     weights (:meth:`WeightBroadcast.rejoin`) and takes draws again. A server Ray is restarting,
     or one that restarted and refuses draws until it loads, is set aside at its first failed
-    draw and rejoins the same way (see the module docstring).
+    draw and rejoins the same way (see the module docstring). When no server takes draws and some
+    are set aside, a draw waits up to ``RESTART_WAIT`` (300 s) for one to rejoin, as the sandbox
+    runners' and environment workers' pools wait: Ray starting the servers of a lost node again,
+    each loading the weights before it draws, takes longer than ``timeout``.
 
     ``task``: the ObjectRef of the ServingTask the servers were built from, which the pool holds
     for the run (:func:`start_rollout_servers` puts it once): Ray frees the constructor
@@ -254,7 +257,7 @@ class ServerPool(PooledRolloutServer):
             probe=lambda i, wait: self.servers[i].probe(wait),
             rejoin=self._rejoin,
             on_aside=lambda i: self.publisher.set_aside(self.servers[i].name),
-            died=lambda i: self.servers[i].died)
+            died=lambda i: self.servers[i].died, wait=RESTART_WAIT)
         self.publisher = WeightBroadcast([s.actor for s in self.servers], names,
                                          version=min(server.version for server in self.servers), drop_dead=True,
                                          on_aside=self._aside_in_load, **({} if timeout is None else {"timeout": timeout}))

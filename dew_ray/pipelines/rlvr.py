@@ -98,7 +98,7 @@ from dew_ray.pipelines.rlvr_actors import RLVRActors
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
 from dew_ray.pipelines.rlvr_fleet import RLVRFleet
 from dew_ray.pipelines.rlvr_job import PipelineEnvironment, Setup, pipeline_reward, warm_start_task
-from dew_ray.pipelines.rlvr_report import plot, print_summary
+from dew_ray.pipelines.rlvr_report import plot, print_summary, zero_reward_note
 from dew_ray.placement import shortfall
 from dew_ray.pipelines.run_dirs import (
     PreflightError,
@@ -448,14 +448,7 @@ class RLVRPipeline:
                           "end": [dataclasses.asdict(where) for where in self.actors.placement.where()]},
         }
         if not self.reward_before["all"] and not after["all"]:
-            why = (f"for the built-in decoder the warm start (sft_steps={self.config.sft_steps}) sets the starting "
-                   "reward: the default 400 steps start near 0.4, a few dozen leave it at 0"
-                   if self.config.model is None else
-                   "a random or untrained model, a response budget (max_new_tokens) too short for the answer, or a "
-                   "reward that does not read the model's format are the usual causes")
-            self.summary["note"] = ("every held-out draw scored 0 before and after: the policy never produced a "
-                                    f"rewarded answer ({why}), and GRPO cannot learn from groups whose rewards are "
-                                    "all equal (rollout/reward/equal_group_share in metrics.jsonl)")
+            self.summary["note"] = zero_reward_note(self.config.model is None, self.config.sft_steps)
         plot(self.rows, self.summary, self.run_dir / "rlvr.png", f"dew-ray RLVR: {self.run_dir.name}")
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         return self.summary

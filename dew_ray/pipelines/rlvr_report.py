@@ -1,4 +1,5 @@
-"""What a finished RLVR pipeline run shows a person: the summary lines and the plot ``rlvr.png``."""
+"""What a finished RLVR pipeline run shows a person: the summary lines, the plot ``rlvr.png`` and the note a run
+that never scored gets."""
 
 from __future__ import annotations
 
@@ -12,6 +13,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 SMOOTHING = 10  # updates in the training reward's moving average
 SOURCE_COLORS = ["#66ccee", "#aa3377", "#ccbb44", "#ee6677"]  # the held-out curve of each data source
+
+
+def zero_reward_note(builtin: bool, sft_steps: int) -> str:
+    """summary.json's ``note`` for a run whose held-out draws all scored 0, before and after: why, and what to look
+    at (``builtin``: the built-in decoder, warm-started for ``sft_steps``)."""
+    why = (f"for the built-in decoder the warm start (sft_steps={sft_steps}) sets the starting reward: the default "
+           "400 steps start near 0.4, a few dozen leave it at 0" if builtin else
+           "a random or untrained model, a response budget (max_new_tokens) too short for the answer, or a reward "
+           "that does not read the model's format are the usual causes")
+    return (f"every held-out draw scored 0 before and after: the policy never produced a rewarded answer ({why}), "
+            "and GRPO cannot learn from groups whose rewards are all equal (rollout/reward/equal_group_share in "
+            "metrics.jsonl)")
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
