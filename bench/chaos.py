@@ -456,7 +456,7 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
             "faults": dict(injector.faults), "injected": sum(injector.faults.values()),
             "survived": sum(injector.faults.values()) if invariants["finished"]["ok"] else 0,
             "resumed_at": resumed_at, "recoveries": recoveries, "nodes": nodes, "engine": engine,
-            "fleet": fleet_log(run_dir),
+            "fleet": fleet_log(run_dir), "version_polls": injector.versions,
             "invariants": invariants,
             "log": injector.log,
             "last_output": outputs[-1][-3000:] if outputs else ""}

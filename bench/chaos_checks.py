@@ -66,11 +66,14 @@ def check_run(run_dir: Path, versions: dict[str, list[int]], resumed_at: list[in
                                       "detail": f"{len(keys)} rollouts, {len(keys) - len(set(keys))} repeated"}
     out["no group lost"] = {"ok": not mismatched and len(keys) == steps * per_step * samples,
                             "detail": f"{len(keys)} of {steps * per_step * samples} rollouts; updates off: {mismatched}"}
-    down = {name: seen for name, seen in versions.items() if any(b < a for a, b in zip(seen, seen[1:]))}
+    down = {name: next((i, a, b) for i, (a, b) in enumerate(zip(seen, seen[1:])) if b < a)
+            for name, seen in versions.items() if any(b < a for a, b in zip(seen, seen[1:]))}
     out["versions never go back"] = {"ok": not down and bool(versions),
                                      "detail": f"{sum(map(len, versions.values()))} polls of {len(versions)} servers, "
                                                f"versions {min(map(min, versions.values()), default=None)} to "
-                                               f"{max(map(max, versions.values()), default=None)}"}
+                                               f"{max(map(max, versions.values()), default=None)}"
+                                               + "".join(f"; {name} went from {a} to {b} at poll {i + 1} of "
+                                                         f"{len(versions[name])}" for name, (i, a, b) in down.items())}
     out["checkpoint equals the policy"] = checkpoint_matches_policy(run_dir)
     kept = sorted(int(p.name) for p in (run_dir / "grpo").glob("*") if p.name.isdigit())
     out["resumed at a checkpoint"] = {"ok": all(0 < step <= steps for step in resumed_at),
