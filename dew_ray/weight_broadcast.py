@@ -12,7 +12,10 @@ With ``drop_dead=True`` an actor that has died is not a failure: it leaves the b
 (its name is added to ``dropped``) and the others carry on; one that does not answer
 within ``timeout`` seconds (stopped, not dead), or that Ray is restarting, is set aside
 (its name is added to ``aside``): later loads skip it until ``rejoin(name)``, which first loads it with the
-newest weights published (the broadcast keeps that one object alive for this). When a load
+newest weights published (the broadcast keeps that one object alive for this), once the load it
+did not answer has ended: Ray starts an async actor's tasks as their arguments resolve, not in
+the order they were sent, so the older load could otherwise land after the newer and take the
+served version back. When a load
 finds every actor left set aside (a restart under way, a node lost with the others), the
 load's weights become the newest and it waits up to ``wait`` seconds for one to rejoin with
 them (the owner's probes call ``rejoin``); with none back by then, or none left at all,
@@ -68,6 +71,7 @@ class WeightBroadcast(WeightPublisher):
         self._lock = threading.Lock()
         self._version = version
         self._newest = None  # the object of the newest version published, for a set-aside actor's rejoin
+        self._unanswered: dict[str, object] = {}  # by actor: the ObjectRef of a load it did not answer in time
 
     @property
     def version(self) -> int:
@@ -93,6 +97,7 @@ class WeightBroadcast(WeightPublisher):
             index = self.names.index(name)
             del self.actors[index], self.names[index]
             self.aside.discard(name)
+            self._unanswered.pop(name, None)
 
     def set_aside(self, name: str) -> None:
         """Leave ``name`` out of loads until ``rejoin(name)`` (its owner found it not answering)."""
@@ -110,10 +115,21 @@ class WeightBroadcast(WeightPublisher):
         within ``timeout`` seconds."""
         with self._lock:
             actor, newest, version = self.actors[self.names.index(name)], self._newest, self._version
+            earlier = self._unanswered.get(name)
+        if earlier is not None:  # it ends (lands or fails) before a newer load is sent: see the module docstring
+            if not ray.wait([earlier], timeout=self.timeout)[0]:
+                return False
+            with self._lock:
+                self._unanswered.pop(name, None)
         if newest is not None and serving != version:
+            ref = actor.load.remote(newest, version)
             try:
-                served = ray.get(actor.load.remote(newest, version), timeout=self.timeout)
-            except (RayActorError, GetTimeoutError):
+                served = ray.get(ref, timeout=self.timeout)
+            except GetTimeoutError:
+                with self._lock:
+                    self._unanswered[name] = ref
+                return False
+            except RayActorError:
                 return False
             if served != version:
                 return False
@@ -138,6 +154,8 @@ class WeightBroadcast(WeightPublisher):
         for index, name, ref in pending:
             if ref not in answered:
                 silent = TimeoutError(f"it did not answer within {self.timeout:g} s")
+                with self._lock:
+                    self._unanswered[name] = ref
                 if self.drop_dead:
                     self._put_aside(name, f"it did not load version {version} within {self.timeout:g} s")
                 else:

@@ -163,6 +163,44 @@ def test_a_pool_keeps_drawing_after_a_server_is_killed(cluster, endless, sharp_d
 
 
 @ray.remote
+class Holding:
+    """An async actor whose load of ``held`` waits until released, as a load sent just before a server stalled waits
+    on its arguments: a later load runs meanwhile (Ray starts an async actor's tasks as their arguments resolve)."""
+
+    def __init__(self, held: int):
+        self.held, self.release, self.version, self.applied = held, asyncio.Event(), 0, []
+
+    async def load(self, variables, version):
+        if version == self.held:
+            await self.release.wait()
+        self.version = version
+        self.applied.append(version)
+        return version
+
+    async def let_go(self):
+        self.release.set()
+
+    async def seen(self):
+        return self.version, self.applied
+
+
+def test_a_rejoining_actor_gets_the_newest_weights_only_after_the_load_it_did_not_answer(cluster):
+    """A load the actor did not answer in time sets it aside; its rejoin waits for that load to end before it sends
+    the newest, so the older never lands last and the served version never goes back."""
+    tree = {"params": {"w": np.ones((2, 2), np.float32)}}
+    slow, quick = Holding.remote(1), Holding.remote(0)
+    ray.get([slow.seen.remote(), quick.seen.remote()])  # both started: only the held load goes unanswered
+    broadcast = WeightBroadcast([slow, quick], ["slow", "quick"], version=0, timeout=1.0, drop_dead=True, wait=5)
+    broadcast.load(tree, 1)  # slow does not answer: set aside
+    assert broadcast.aside == {"slow"} and broadcast.version == 1
+    broadcast.load(tree, 2)
+    assert not broadcast.rejoin("slow")  # its version-1 load still runs: nothing newer is sent
+    slow.let_go.remote()
+    assert broadcast.rejoin("slow") and broadcast.aside == set()
+    assert ray.get(slow.seen.remote()) == (2, [1, 2])
+
+
+@ray.remote
 class Unanswering:
     """A rollout server gone bad: every draw fails at once, and asking whether it lives never answers."""
 
