@@ -86,13 +86,14 @@ def check_run(run_dir: Path, versions: dict[str, list[int]], resumed_at: list[in
 def fleet_requests_answered(run_dir: Path, requests: Sequence[str]) -> dict:
     """Every fleet request asked (its id) was applied or refused, each once, in fleet.jsonl, or was still queued when
     the run ended (asked after the driver's last look); none was left taken and unanswered."""
-    answers = Counter(entry["request"] for entry in fleet_log(run_dir) if "request" in entry)
+    log = fleet_log(run_dir)
+    answers = Counter(entry["request"] for entry in log if "request" in entry)
     folder = run_dir / REQUESTS
     queued = {path.stem for path in folder.glob("*.json")} if folder.exists() else set()
     taken = sorted(path.stem for path in folder.glob("*.taken")) if folder.exists() else []
     unanswered = [ident for ident in requests if not answers[ident] and ident not in queued]
     twice = [ident for ident in requests if answers[ident] > 1]
-    refused = sum(1 for entry in fleet_log(run_dir) if entry["change"] == "refused")
+    refused = sum(1 for entry in log if entry["change"] == "refused")
     return {"ok": not unanswered and not twice and not taken,
             "detail": f"{len(requests)} asked: {sum(answers[i] > 0 for i in requests) - refused} applied, {refused} "
                       f"refused, {len(queued)} queued at the end; unanswered {unanswered[:3]}, twice {twice[:3]}, "

@@ -133,32 +133,34 @@ class RLVRFleet:
         self._log(actors, step, "remove", names, moved=moved, **logged)
         return names
 
-    def serve_requests(self, actors: RLVRActors, step: int) -> list[dict]:
-        """Apply the requests queued in the run directory (:func:`ask`), in the order asked; returns their
-        ``fleet.jsonl`` lines. One that cannot be met is refused (its line says why) and the run goes on."""
+    def serve_requests(self, actors: RLVRActors, step: int) -> None:
+        """Apply the requests queued in the run directory (:func:`ask`), in the order asked, each outcome a
+        ``fleet.jsonl`` line. One that cannot be met is refused (its line says why) and the run goes on."""
         folder = self.run_dir / REQUESTS
-        served = []
-        # A request taken (renamed) by a driver that then died is served again by the next one, unless its outcome
-        # was logged: a rerun starts the fleet at ``servers`` again, so the change is asked of the new fleet.
-        for taken in sorted(folder.glob("*.taken")) if folder.exists() else []:
-            if outcome(self.run_dir, taken.stem) is not None:
-                taken.unlink()
-        for path in sorted([*folder.glob("*.json"), *folder.glob("*.taken")]) if folder.exists() else []:
+        if not folder.exists():
+            return
+        for path in sorted([*folder.glob("*.json"), *folder.glob("*.taken")]):
             ident, taken = path.stem, path.with_suffix(".taken")
+            # A request taken (renamed) by a driver that then died is served again by the next one, unless its
+            # outcome was logged: a rerun starts the fleet at ``servers`` again, so the change is asked of the new
+            # fleet.
+            if path == taken and outcome(self.run_dir, ident) is not None:
+                taken.unlink()
+                continue
             try:
                 os.replace(path, taken)
             except FileNotFoundError:  # withdrawn meanwhile
                 continue
-            served.append(self._serve(actors, step, ident, taken))
+            self._serve(actors, step, ident, taken)
             taken.unlink()
-        return served
 
-    def _serve(self, actors: RLVRActors, step: int, ident: str, taken: Path) -> dict:
+    def _serve(self, actors: RLVRActors, step: int, ident: str, taken: Path) -> None:
         try:
             request = FleetRequest.model_validate_json(taken.read_text())
         except (ValidationError, ValueError, UnicodeDecodeError) as error:
-            return self._log(actors, step, "refused", [], request=ident,
-                             refused=f"{REQUESTS}/{ident}.json is not a fleet request: {error}")
+            self._log(actors, step, "refused", [], request=ident,
+                      refused=f"{REQUESTS}/{ident}.json is not a fleet request: {error}")
+            return
         try:
             if request.change == "add":
                 if not self._room(request.count):  # refused at once: the updates do not wait on a node to come
@@ -169,9 +171,7 @@ class RLVRFleet:
             else:
                 self.remove(actors, request.count, step, request.drain, request=ident)
         except (ValueError, RuntimeError) as error:  # past a bound, or no room for the servers' bundles now
-            return self._log(actors, step, "refused", [], request=ident, asked=request.model_dump(),
-                             refused=str(error))
-        return outcome(self.run_dir, ident)
+            self._log(actors, step, "refused", [], request=ident, asked=request.model_dump(), refused=str(error))
 
     def grow(self, actors: RLVRActors, step: int) -> list[str]:
         """One more server when a node has joined since the last look, the fleet is under ``servers_max`` and the
@@ -194,8 +194,7 @@ class RLVRFleet:
         free = ray.available_resources()
         return all(free.get(key, 0.0) >= amount * count for key, amount in self._bundle().items())
 
-    def _log(self, actors: RLVRActors, step: int, change: str, names: list[str], **more) -> dict:
+    def _log(self, actors: RLVRActors, step: int, change: str, names: list[str], **more) -> None:
         entry = {"step": step, "change": change, "servers": names, "size": self.size(actors), **more}
         with open(self.run_dir / "fleet.jsonl", "a") as file:
             file.write(json.dumps(entry) + "\n")
-        return entry
