@@ -522,6 +522,7 @@ def test_a_warm_start_file_fits_a_users_model_to_its_conversations(qwen3_gsm8k, 
 
 def test_checks_that_can_fail_early_fail_before_any_work(tmp_path, monkeypatch):
     from dew_ray.pipelines import rlvr as pipeline
+    from dew_ray.pipelines import run_dirs
 
     with pytest.raises(pipeline.PreflightError, match="'run_dir' is a URI \\('s3://bucket/run'\\)"):
         pipeline.resolve_run_dir("s3://bucket/run")
@@ -541,7 +542,7 @@ def test_checks_that_can_fail_early_fail_before_any_work(tmp_path, monkeypatch):
     def no_bubblewrap(name):
         raise RuntimeError("bubblewrap ('bwrap') is not installed (apt-get install bubblewrap)")
 
-    monkeypatch.setattr(pipeline, "sandbox_runner", no_bubblewrap)
+    monkeypatch.setattr(run_dirs, "sandbox_runner", no_bubblewrap)
     with pytest.raises(pipeline.PreflightError, match="the sandbox for code tasks cannot start here: .*apt-get"):
         RLVRPipeline(tiny(tmp_path / "run", runner="bwrap")).preflight()
     assert time.monotonic() - started < 10  # seconds, not a warm start

@@ -65,7 +65,7 @@ class Ticket:
 
     replica: int
     sent: float
-    abandon: Callable[[BaseException], None] | None = None
+    abandon: Callable[[BaseException], bool | None] | None = None  # False: the piece had ended on its own first
     abandoned: BaseException | None = None
     ended: bool = False
 
@@ -224,8 +224,9 @@ class ReplicaPool:
             self._pending[index].add(ticket)
             return ticket
 
-    def attach(self, ticket: Ticket, abandon: Callable[[BaseException], None]) -> None:
-        """How to stop and fail the ticket's piece if its replica is set aside; run at once if it already was."""
+    def attach(self, ticket: Ticket, abandon: Callable[[BaseException], bool | None]) -> None:
+        """How to stop and fail the ticket's piece if its replica is set aside (returning False when the piece had
+        ended on its own first); run at once if it already was."""
         with self._lock:
             if ticket.abandoned is None:
                 ticket.abandon = abandon
@@ -300,9 +301,9 @@ class ReplicaPool:
             for ticket in pending:
                 ticket.ended, ticket.abandoned = True, error
             stops = [ticket.abandon for ticket in pending if ticket.abandon is not None]
-        for stop in stops:  # tickets not attached yet are abandoned when they are
-            stop(error)
-        return len(pending)
+        unattached = len(pending) - len(stops)  # abandoned when they are attached, just after they were sent
+        # A piece whose outcome arrived just before (its release not yet run) keeps that outcome: not counted.
+        return unattached + sum(stop(error) is not False for stop in stops)
 
     def _check(self, index: int) -> None:
         """A failed piece's replica: dead when its probe says it is gone (a silent one is the watch's to find)."""
@@ -446,8 +447,8 @@ class PooledRolloutServer(RolloutServer):
             self._owner.pop(id(done), None)
         self.replicas.release(ticket, failed=done.exception() is not None)
 
-    def _abandon(self, server, future: DrawFuture, error: BaseException) -> None:
-        settle(future, None, error)
+    def _abandon(self, server, future: DrawFuture, error: BaseException) -> bool:
+        return settle(future, None, error)
 
     def cancel(self, draw: DrawFuture) -> None:
         with self._owner_lock:

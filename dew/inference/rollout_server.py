@@ -61,16 +61,17 @@ class DrawFuture(Future):
     request: int = -1
 
 
-def settle(future: Future, result=None, error: BaseException | None = None) -> None:
+def settle(future: Future, result=None, error: BaseException | None = None) -> bool:
     """Resolve ``future`` with ``error`` or ``result``, unless it is resolved already: a cancel or a pool that
-    abandoned the draw got there first, and the first word stands."""
+    abandoned the draw got there first, and the first word stands. Returns whether this word was the first."""
     try:
         if error is not None:
             future.set_exception(error)
         else:
             future.set_result(result)
     except InvalidStateError:
-        pass
+        return False
+    return True
 
 
 class RolloutServer(WeightPublisher):

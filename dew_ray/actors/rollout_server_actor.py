@@ -297,9 +297,11 @@ class ServerPool(PooledRolloutServer):
             return False
         return self.publisher.rejoin(self.servers[index].name, None if served.stale else served.version)
 
-    def _abandon(self, server: RemoteRolloutServer, future: DrawFuture, error: BaseException) -> None:
+    def _abandon(self, server: RemoteRolloutServer, future: DrawFuture, error: BaseException) -> bool:
+        if not settle(future, None, error):  # its outcome came first
+            return False
         server.cancel(future)  # the actor drops the draw when it answers again
-        settle(future, None, error)
+        return True
 
     def load(self, variables, version: int) -> None:
         """Load every server not set aside (one object-store put); see the class docstring."""

@@ -90,8 +90,7 @@ from dew.experiment_trackers import MetricWriters
 from dew.inference.engines import engine_dir, vllm_python
 from dew.recipes.rlvr_plan import PlanError, RunPlan, plan_run
 from dew.collection.sources import EnvironmentSource
-from dew.recipes.rlvr_recipe import measure_episodes, measure_reward, sandbox_runner
-from dew.sandbox import BwrapRunner, Program, SandboxLimits, Verdict
+from dew.recipes.rlvr_recipe import measure_episodes, measure_reward
 from dew_ray.actors import step_group
 from dew_ray.dashboard_metrics import PipelineMetrics
 from dew_ray.pipelines.rlvr_actors import RLVRActors
@@ -102,6 +101,8 @@ from dew_ray.pipelines.rlvr_report import plot, print_summary, zero_reward_note
 from dew_ray.placement import shortfall
 from dew_ray.pipelines.run_dirs import (
     PreflightError,
+    check_sandbox,
+    describe_runner,
     pipeline_main,
     resolve_run_dir,
     shared_on_nodes,
@@ -113,24 +114,6 @@ VERL_ROWS = "verl_rows"  # the run directory's folder of verl AgentLoopOutput ro
 HELD_OUT = "held_out.jsonl"  # the run directory's held-out reward curve, one {"step", "reward"} line per point
 
 __all__ = ["PreflightError", "RLVRPipeline", "RLVRPipelineConfig", "load_config", "main", "resolve_run_dir", "run"]
-
-
-def check_sandbox(runner: str):
-    """Start one program in the configured sandbox now; returns the runner, which the sandbox actors get."""
-    try:
-        made = sandbox_runner(runner)
-    except RuntimeError as error:
-        raise PreflightError(f"the sandbox for code tasks cannot start here: {error}") from None
-    outcome = made.run(Program(argv=["python3", "-c", "print(1)"]), SandboxLimits(wall_seconds=30))
-    if outcome.verdict is not Verdict.COMPLETED:
-        raise PreflightError(f"the {runner} sandbox could not run a program ({outcome.verdict.value}, exit "
-                             f"{outcome.exit_code}): {outcome.stderr.strip()[-500:]}")
-    return made
-
-
-def describe_runner(runner) -> str:
-    """Which sandbox runs the code tasks, for the first lines a run prints."""
-    return runner.describe() if isinstance(runner, BwrapRunner) else "ProcessRunner (no isolation: trusted code only)"
 
 
 class RLVRPipeline:

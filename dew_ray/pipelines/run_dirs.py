@@ -5,9 +5,10 @@ relative one resolves against the driver's working directory, a submitted job (`
 submit``, whose driver runs in a packaged copy of the working directory that dies with the
 session) must give an absolute path every node reaches, and a URI is refused (the pipelines
 write with local file I/O). ``writable`` checks it can be written, and ``shared_on_nodes``
-that every node the run uses reads and writes the same directory; ``start_ray`` starts the
-local cluster of one run (token authentication off, ``runs/`` and the run directory left out
-of the packaged working directory) unless ``address`` or ``RAY_ADDRESS`` names a cluster.
+that every node the run uses reads and writes the same directory; ``check_sandbox`` starts one
+program in the configured sandbox; ``start_ray`` starts the local cluster of one run (Ray's
+token authentication as Ray sets it, ``runs/`` and the run directory left out of the packaged
+working directory) unless ``address`` or ``RAY_ADDRESS`` names a cluster.
 ``pipeline_main`` is every pipeline's ``python -m`` entry: ``--config``, ``--set`` and
 ``--address``, errors in the configuration or the preflight printed and exit status 2.
 """
@@ -27,6 +28,8 @@ from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from dew.recipes.rlvr_recipe import sandbox_runner
+from dew.sandbox import BwrapRunner, Program, SandboxLimits, Verdict
 from dew_ray.placement import alive_nodes
 
 
@@ -122,6 +125,24 @@ def _excludes(run_dir: Path) -> list[str]:
     except ValueError:
         return excludes
     return excludes + [f"/{inside.as_posix()}/"]
+
+
+def check_sandbox(runner: str):
+    """Start one program in the configured sandbox now; returns the runner, which the sandbox actors get."""
+    try:
+        made = sandbox_runner(runner)
+    except RuntimeError as error:
+        raise PreflightError(f"the sandbox for code tasks cannot start here: {error}") from None
+    outcome = made.run(Program(argv=["python3", "-c", "print(1)"]), SandboxLimits(wall_seconds=30))
+    if outcome.verdict is not Verdict.COMPLETED:
+        raise PreflightError(f"the {runner} sandbox could not run a program ({outcome.verdict.value}, exit "
+                             f"{outcome.exit_code}): {outcome.stderr.strip()[-500:]}")
+    return made
+
+
+def describe_runner(runner) -> str:
+    """Which sandbox runs the code tasks, for the first lines a run prints."""
+    return runner.describe() if isinstance(runner, BwrapRunner) else "ProcessRunner (no isolation: trusted code only)"
 
 
 def start_ray(address: str | None, run_dir: Path, cpus_reserved: float) -> None:
