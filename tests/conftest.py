@@ -1,11 +1,13 @@
 import atexit
 import importlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -295,3 +297,25 @@ def make_parity_judge(folder: Path, even: str = "1", odd: str = "0") -> Path:
 def parity_judge(tmp_path_factory):
     """:func:`make_parity_judge` replying "1" (even) or "0" (odd)."""
     return make_parity_judge(tmp_path_factory.mktemp("parity-judge") / "judge")
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With DEW_TEST_LOAD_LOG=PATH, one JSON line per test: its wall seconds and the machine's busy CPU seconds over
+    them (every process, Ray's and engines' included): a test that keeps the cores idle waits on something."""
+    log = os.environ.get("DEW_TEST_LOAD_LOG")
+    if not log:
+        yield
+        return
+    started, busy = time.monotonic(), _machine_busy_seconds()
+    yield
+    wall, used = time.monotonic() - started, _machine_busy_seconds() - busy
+    with open(log, "a") as file:
+        file.write(json.dumps({"test": item.nodeid, "wall": round(wall, 2), "busy_cpu": round(used, 2),
+                               "cores_used": round(used / max(wall, 1e-9), 2)}) + "\n")
