@@ -1,12 +1,15 @@
 """Sandbox throughput: programs per second for a trivial Python program through each runner.
 
-Program: ``python3 -c "print(1)"`` (the system interpreter, /usr/bin/python3), no files,
-no stdin. Each configuration runs ``--programs`` of them per round through a
-SandboxFleet (ProcessRunner and BwrapRunner, 1 and 2 workers) and, as the floor, in a
-plain ``subprocess.run`` loop with captured output and no limits. The figure is the
-median over rounds; the ratio is against the plain loop.
+Program: ``python3 -c "print(1)"`` (the system interpreter, /usr/bin/python3; in a
+container, the image's), no files, no stdin. Each configuration runs ``--programs`` of
+them per round through a SandboxFleet (ProcessRunner, BwrapRunner and ContainerRunner on
+``--image``, 1 and 2 workers) and, as the floor, in a plain ``subprocess.run`` loop with
+captured output and no limits; the configurations take turns within each round. The
+figure is the median over rounds; the ratio is against the plain loop. ContainerRunner
+is left out, saying so, when no Docker daemon answers or the image is absent
+(``uv run python tools/container_env.py up`` provides both).
 
-    uv run python bench/sandbox_throughput.py [--programs 200] [--rounds 3]
+    uv run python bench/sandbox_throughput.py [--programs 200] [--rounds 3] [--image dew-ray/base:bookworm]
 
 Prints a table and writes bench/results/sandbox_throughput.{json,png}.
 """
@@ -22,7 +25,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from dew.sandbox import BwrapRunner, ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict
+import matplotlib
+
+from dew.sandbox import BwrapRunner, ContainerRunner, ProcessRunner, Program, SandboxFleet, SandboxLimits, Verdict
 from dew.sandbox.launcher import BASE_ENVIRONMENT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,16 +53,28 @@ def fleet_rate(runner, workers: int, count: int) -> float:
     return count / seconds
 
 
+def container_runner(image: str) -> ContainerRunner | None:
+    """A ContainerRunner on ``image``, or None (saying why) when Docker or the image is missing."""
+    if shutil.which("docker") is None:
+        print("no docker CLI: ContainerRunner left out (uv run python tools/container_env.py up)")
+        return None
+    if subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=60).returncode != 0:
+        print(f"no Docker daemon answers or {image} is absent: ContainerRunner left out "
+              "(uv run python tools/container_env.py up)")
+        return None
+    return ContainerRunner(image)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--programs", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--image", default="dew-ray/base:bookworm", help="ContainerRunner's image")
     args = parser.parse_args()
-    runners = {"ProcessRunner": ProcessRunner()}
-    if shutil.which("bwrap"):
-        runners["BwrapRunner"] = BwrapRunner()
-    else:
-        print("bubblewrap is not installed (apt-get install bubblewrap): BwrapRunner left out")
+    runners = {"ProcessRunner": ProcessRunner(), "BwrapRunner": BwrapRunner()}
+    container = container_runner(args.image)
+    if container is not None:
+        runners["ContainerRunner"] = container
     configs = ["subprocess.run loop"] + [f"{name}, {w} worker{'s' * (w > 1)}" for name in runners for w in (1, 2)]
     rates: dict[str, list[float]] = {config: [] for config in configs}
     fleet_rate(runners["ProcessRunner"], 1, 5)  # warm the page cache and the imports
@@ -80,18 +97,15 @@ def main() -> None:
         print(f"{config:<26} {rate:>10.1f} {1e3 / rate:>8.1f} {rate / plain:>8.2f}x")
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    bwrap = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip() if \
-        "BwrapRunner" in runners else None
+    versions = {name: runner.describe() for name, runner in runners.items() if hasattr(runner, "describe")}
     (results / "sandbox_throughput.json").write_text(json.dumps(
-        {"programs": args.programs, "rounds": args.rounds, "cpu_cores": cores, "bubblewrap": bwrap,
+        {"programs": args.programs, "rounds": args.rounds, "cpu_cores": cores, "runners": versions,
          "rates": rates, "summary": summary}, indent=2))
-    import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 3))
-    colours = ["#bbbbbb"] + ["#4477aa", "#4477aa", "#228833", "#228833"][: len(configs) - 1]
+    figure, axis = plt.subplots(figsize=(7, 3.6))
+    colours = ["#bbbbbb"] + ["#4477aa", "#4477aa", "#228833", "#228833", "#cc6677", "#cc6677"][: len(configs) - 1]
     axis.barh(range(len(configs)), [summary[c]["programs_per_second"] for c in configs], color=colours)
     axis.set_yticks(range(len(configs)), configs)
     axis.invert_yaxis()

@@ -208,6 +208,27 @@ def vllm_engine(tiny_qwen3, tmp_path_factory):
     engine.close()
 
 
+@pytest.fixture(scope="session")
+def container_engine():
+    """tools/container_env.py's steps for the session: Docker installed, a daemon answering (started if none, and
+    stopped afterwards), the base image built. `.ci/run` runs them first; a step that cannot be done fails the tests
+    that need containers, naming the step, rather than skipping them."""
+    container_env = import_from("tools", "container_env")
+    try:
+        started = container_env.ensure()
+    except container_env.ContainerEngineError as error:
+        pytest.fail(f"the container tests need Docker: {error}")
+    yield container_env
+    if started is not None:
+        container_env.stop_daemon()
+
+
+@pytest.fixture(scope="session")
+def container_image(container_engine):
+    """The base image (Debian bookworm minbase with python3) ContainerRunner's tests run programs in."""
+    return container_engine.BASE_IMAGE
+
+
 GSM8K_LAYOUT = [  # GSM8K's own columns (question, a worked answer ending in "#### <number>"), written for the tests
     {"question": "Ada has 3 apples and buys 4 more. How many apples does she have?",
      "answer": "Ada has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},

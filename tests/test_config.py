@@ -17,7 +17,7 @@ from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
     (dict(learning_rate=1.5), "config field 'learning_rate' must be a number < 1, got 1.5"),  # above a bound
     (dict(clip=float("nan")), "config field 'clip' must be a finite number, got nan"),  # not finite
     (dict(trainer_cpus="one"), "config field 'trainer_cpus' must be a number, got 'one'"),
-    (dict(runner="docker"), "config field 'runner' must be one of 'bwrap' or 'process', got 'docker'"),  # a choice
+    (dict(runner="docker"), "config field 'runner' must be one of 'bwrap', 'process' or 'container', got 'docker'"),  # a choice
     (dict(progress="yes"), "config field 'progress' must be true or false, got 'yes'"),
     (dict(run_dir=3), "config field 'run_dir' must be a string, got 3"),
     (dict(width=64), "unknown config field 'width'; known: \\["),  # a field that does not exist

@@ -4,12 +4,13 @@ The gateway is rllm-model-gateway 0.1.0 from PyPI, run from its own environment
 (``tools/engine_env.py gateway``, which ``.ci/run`` builds), in front of dew's native
 OpenAI front and, in one test, the session's real vLLM. The PyPI release has no
 ``/admin/weight_version`` route, so the stamp is checked against a stand-in that answers
-that route as the later rllm ``server.py`` does. Harbor's trials run in containers and this
-machine has none, so the harness is a stand-in that does what Harbor's agent does: it calls
+that route as the later rllm ``server.py`` does. Harbor's own Docker environment cannot run
+here in full (it needs ``docker compose`` v2 and, for allowlists, a sidecar image from Docker
+Hub, which no registry this machine reaches serves), so the harness is a stand-in that does what Harbor's agent does: it calls
 the model through ``{sandbox_url}/sessions/{session}/v1/chat/completions`` (here, through
 the SessionProxy) and reports the verifier's reward. Real Harbor 0.25 (its own Python 3.12
 environment, ``tools/engine_env.py harbor``) runs trials too, in the bubblewrap environment
-dew ships for machines without containers (``dew_harbor.bubblewrap``), with its oracle agent
+dew ships for machines without Harbor's Docker environment (``dew_harbor.bubblewrap``), with its oracle agent
 and with tests/harbor_agent.py, an agent stand-in that chats from inside the sandbox.
 """
 

@@ -15,7 +15,16 @@ import pytest
 from dew.data.prompts import utf8_column
 from dew.collection.sampled_rollout import SampledRollout
 from dew.objectives.grpo import GRPOObjective
-from dew.sandbox import CodeReward, MathReward, Outcome, SandboxLimits, Verdict
+from dew.sandbox import (
+    CodeReward,
+    ContainerRunner,
+    MathReward,
+    Outcome,
+    ProcessRunner,
+    SandboxFleet,
+    SandboxLimits,
+    Verdict,
+)
 from dew.sandbox.verifiable_rewards import last_boxed, last_python_block, output_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,12 +187,11 @@ def test_code_reward_options_are_checked():
         CodeReward(FakeFleet(), argv="python3 main.py")
 
 
-def test_code_reward_through_a_real_fleet():
-    fleet_module = pytest.importorskip("dew.sandbox.fleet", reason="dew/sandbox/fleet.py is not written yet")
-    from dew.sandbox.runners import ProcessRunner
-
+@pytest.mark.parametrize("kind", ["process", "container"])
+def test_code_reward_through_a_real_fleet(kind, request):
+    runner = ContainerRunner(request.getfixturevalue("container_image")) if kind == "container" else ProcessRunner()
     limits = SandboxLimits(cpu_seconds=5, wall_seconds=20)
-    with fleet_module.SandboxFleet(ProcessRunner(), limits=limits, workers=2) as fleet:
+    with SandboxFleet(runner, limits=limits, workers=2) as fleet:
         assert CodeReward(fleet)("code", ADD, CASES, "") == pytest.approx(2 / 3)
         crash = "```python\nprint(5)\nraise SystemExit(1)\n```"
         assert CodeReward(fleet)("code", crash, CASES, "") == 0.0

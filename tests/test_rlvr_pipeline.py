@@ -198,10 +198,11 @@ def test_cluster_configs_are_valid_for_ray_and_kuberay():
     schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
     jsonschema.validate(launcher, schema)  # the schema that ships inside the ray package
     validate_config(prepare_config(launcher))  # and with the launcher's defaults filled in, as `ray up` does
-    assert any("uv sync" in command for command in launcher["setup_commands"])
+    image = import_from("tools", "container_env").PROJECT_IMAGE  # the image the repository's Dockerfile builds
+    assert launcher["docker"]["image"] == image and "seccomp=unconfined" in " ".join(launcher["docker"]["run_options"])
     starts = [c for c in launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"] if "ray start" in c]
     assert len(starts) == 2 and all("RAY_AUTH_MODE=token " in command for command in starts)  # every node asks
-    assert launcher["file_mounts"]["/home/ubuntu/.ray/auth_token"] == "~/.ray/auth_token"  # for the same token
+    assert launcher["file_mounts"]["/root/.ray/auth_token"] == "~/.ray/auth_token"  # for the same token
 
     for name in ("rayjob.yaml", "rayjob-vllm-gpu.yaml"):
         job = yaml.safe_load((ROOT / "cluster_configs" / name).read_text())
@@ -213,6 +214,9 @@ def test_cluster_configs_are_valid_for_ray_and_kuberay():
                              [item for i, item in enumerate(entrypoint) if entrypoint[i - 1] == "--set"])
         cluster = job["spec"]["rayClusterSpec"]
         assert cluster["rayVersion"] == ray.__version__
+        pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+        tag = "latest" if name == "rayjob.yaml" else "vllm-cuda"  # the Dockerfile's image, with or without vLLM
+        assert {c["image"] for pod in pods for c in pod["containers"]} == {image.replace(":latest", f":{tag}")}
         cpus = [float(cluster["headGroupSpec"]["rayStartParams"]["num-cpus"])]
         cpus += [float(group["rayStartParams"]["num-cpus"]) * group["maxReplicas"]
                  for group in cluster["workerGroupSpecs"]]
@@ -313,19 +317,21 @@ def test_the_readme_job_submit_lines_work_as_written_on_this_machine():
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_killed_main_job_resumes_from_its_checkpoint():
+def test_a_killed_main_job_resumes_from_its_checkpoint(container_image):
     """``dew-ray rlvr`` on a relative run directory, as a user runs it: SIGKILL of the driver and its local cluster
     once update 3 is written (checkpoints every 2 updates), then the same command again. The rerun resumes at the
     last checkpoint the kill left, keeps the rows up to it as they were, trains each update once, and ends on the
     parameters of an uninterrupted run (synchronous schedule: every batch drawn under one version, so runs draw
-    alike). Then the uninterrupted run's exported policy reads back as a user's model."""
+    alike). Then the uninterrupted run's exported policy reads back as a user's model. The code tasks run with
+    ``runner = "container"``: each program in a fresh Docker container (the containers of the killed run are
+    removed by their watchers)."""
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     name = f"kill-test-{os.getpid()}"
     # 80 warm-start steps from a teacher without slips: about half the training rewards are 1, so groups are
     # mixed and the updates move the policy (40 steps, or the default teacher's slips, leave nearly every reward 0)
     options = [*TINY, "steps=5", "sft_steps=80", "sft_errors=0", "checkpoint_every=2", "max_lag=0", "ahead=0",
-               "verl_rows=true"]
+               "verl_rows=true", "runner=container", f"container_image={container_image}", "sandbox_workers=4"]
     command = [str(Path(sys.executable).parent / "dew-ray"), "rlvr", *[f"--set={item}" for item in options]]
     killed, uninterrupted, more = ROOT / "runs" / name, ROOT / "runs" / f"{name}-whole", ROOT / "runs" / f"{name}-more"
     try:
@@ -348,6 +354,10 @@ def test_a_killed_main_job_resumes_from_its_checkpoint():
                                  text=True, timeout=900)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         assert f"resumed {killed} at update {checkpoint}" in resumed.stdout, resumed.stdout[-3000:]
+        assert "sandbox for code tasks: docker " in resumed.stdout and f"image {container_image}" in resumed.stdout
+        left = subprocess.run(["docker", "ps", "--all", "--quiet", "--filter", "name=dew-sandbox-"],
+                              capture_output=True, text=True, timeout=60).stdout.split()
+        assert left == []  # the killed run's containers were removed by their watchers, the finished run's by it
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]  # every update once; the first after the restart
         assert rows[:checkpoint] == before[:checkpoint]  # is the checkpoint's + 1, and the rows up to it are kept

