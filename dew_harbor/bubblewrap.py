@@ -1,4 +1,4 @@
-"""A Harbor environment running a task's commands under bubblewrap on this host, where Harbor's Docker one cannot.
+"""A Harbor environment that runs a task's commands under bubblewrap on this host, for machines without containers.
 
 Harbor (0.25) runs trials in container environments; this one gives a trial a private
 root on the host instead: the host's ``/usr`` (and its ``/bin``, ``/lib``, ``/lib64``,

@@ -10,6 +10,7 @@ writes noise, so this one only carries text, which is all the recording path nee
 """
 
 import json
+import os
 import shlex
 
 from harbor.agents.agent_auth_resolution import ModelConnectionSpec, ProviderAccess
@@ -29,6 +30,18 @@ for turn in range(2):
     messages += [reply, {"role": "user", "content": "Go on."}]
 open("/app/out.txt", "w").write(reply["content"])
 print(json.dumps(messages))
+"""
+
+
+PROBE = r"""
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+try:
+    socket.create_connection((host, port), timeout=5).close()
+    result = "connected"
+except OSError as error:
+    result = type(error).__name__
+open("/logs/agent/probe.txt", "w").write(f"{host}:{port} {result}\n")
 """
 
 
@@ -62,3 +75,18 @@ class ChatAgent(BaseAgent):
         if result.return_code != 0:
             raise RuntimeError(f"the chat client failed ({result.return_code}): {(result.stderr or '')[-500:]}")
         context.metadata = {"messages": json.loads(result.stdout)}
+
+
+class ProbingChatAgent(ChatAgent):
+    """ChatAgent that first tries, from inside the environment, to open a connection to ``DEW_PROBE`` ("host:port",
+    from Harbor's environment), an address outside the agent phase's allowlist, and writes what happened to
+    ``/logs/agent/probe.txt`` (``<host>:<port> connected`` or the error's type)."""
+
+    @staticmethod
+    def name() -> str:
+        return "dew-probing-chat-standin"
+
+    async def run(self, instruction, environment, context) -> None:
+        host, port = os.environ["DEW_PROBE"].rsplit(":", 1)
+        await environment.exec(f"python3 -c {shlex.quote(PROBE)} {shlex.quote(host)} {port}", timeout_sec=60)
+        await super().run(instruction, environment, context)

@@ -4,20 +4,21 @@ The gateway is rllm-model-gateway 0.1.0 from PyPI, run from its own environment
 (``tools/engine_env.py gateway``, which ``.ci/run`` builds), in front of dew's native
 OpenAI front and, in one test, the session's real vLLM. The PyPI release has no
 ``/admin/weight_version`` route, so the stamp is checked against a stand-in that answers
-that route as the later rllm ``server.py`` does. Harbor's own Docker environment cannot run
-here in full (it needs ``docker compose`` v2 and, for allowlists, a sidecar image from Docker
-Hub, which no registry this machine reaches serves), so the harness is a stand-in that does what Harbor's agent does: it calls
-the model through ``{sandbox_url}/sessions/{session}/v1/chat/completions`` (here, through
+that route as the later rllm ``server.py`` does. Most tests need no Harbor, so their harness
+is a stand-in that does what Harbor's agent does: it calls the model through ``{sandbox_url}/sessions/{session}/v1/chat/completions`` (here, through
 the SessionProxy) and reports the verifier's reward. Real Harbor 0.25 (its own Python 3.12
 environment, ``tools/engine_env.py harbor``) runs trials too, in the bubblewrap environment
-dew ships for machines without Harbor's Docker environment (``dew_harbor.bubblewrap``), with its oracle agent
-and with tests/harbor_agent.py, an agent stand-in that chats from inside the sandbox.
+dew ships for machines without containers (``dew_harbor.bubblewrap``), with its oracle agent
+and with tests/harbor_agent.py, an agent stand-in that chats from inside the sandbox; and in
+Harbor's own Docker environment (``dew_harbor.docker``, its two Docker Hub images made locally),
+with the agent phase on an allowlist that names only the proxy.
 """
 
 import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -468,3 +469,67 @@ def test_the_harbor_example_trains_through_real_harbor_trials_and_a_real_vllm(ha
     assert code == 0, out
     assert "publishing without version stamps" in out and "trained 2 updates on 1 Harbor tasks" in out
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ----- real Harbor trials in Harbor's own Docker environment, the agent phase on an allowlist ----------------------
+
+
+@pytest.fixture(scope="module")
+def harbor_docker(tmp_path_factory, container_engine):
+    """(a HarborCLI maker over the real Harbor in its Docker environment, its trials folder, the bridge address).
+
+    The task's image is built by Harbor from the base image; its agent phase runs with ``network_mode =
+    "allowlist"``, so Harbor starts its egress-control sidecar (the stand-in ``tools/container_env.py`` builds under
+    Harbor's name: see ``dew_harbor/egress_sidecar``) and puts the trial's container in the sidecar's network."""
+    from conftest import ROOT
+
+    from dew.collection.harbor_source import HarborCLI
+
+    python = engine_python("harbor") or build_engine_env("harbor")  # it names the sidecar image the next step builds
+    container_engine.ensure(harbor=True)
+    tasks = tmp_path_factory.mktemp("harbor-docker-tasks")
+    task = tasks / "reply"
+    for folder in ("environment", "tests", "solution"):
+        (task / folder).mkdir(parents=True)
+    (task / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 120.0\nnetwork_mode = "allowlist"\n'
+                                    '[verifier]\ntimeout_sec = 60.0\n')
+    (task / "instruction.md").write_text("Write a reply to /app/out.txt.\n")
+    (task / "environment" / "Dockerfile").write_text(f"FROM {container_engine.BASE_IMAGE}\nWORKDIR /app\n")
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\necho done > /app/out.txt\n")
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nif [ -s /app/out.txt ]; then echo 1 > /logs/verifier/reward.txt; "
+        "else echo 0 > /logs/verifier/reward.txt; fi\n")
+    bridge = subprocess.run(["docker", "network", "inspect", "bridge", "--format", "{{(index .IPAM.Config 0).Gateway}}"],
+                            capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    trials = tmp_path_factory.mktemp("harbor-docker-trials")
+    outside = f"{socket.gethostbyname('pypi.org')}:443"  # an address the trials must not reach: PyPI's
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OPENAI_API_KEY": "unused", "DEW_PROBE": outside}
+    return (lambda agent, allow: HarborCLI(tasks, trials, harbor=str(python.parent / "harbor"), agent=agent,
+                                           allow_hosts=allow, env=env, timeout=600,
+                                           args=["--env", "dew_harbor.docker:DockerEnvironment"])), trials, bridge, outside
+
+
+def test_harbor_trials_in_docker_reach_the_proxy_and_nothing_else(gateway, front, harbor_docker):
+    harbor, trials, bridge, outside = harbor_docker
+    host, port = outside.rsplit(":", 1)
+    # The address the agents will fail to reach is reachable from a container without the allowlist.
+    probe = subprocess.run(["docker", "run", "--rm", "dew-ray/base:bookworm", "python3", "-c",
+                            f"import socket; socket.create_connection(('{host}', {port}), timeout=10).close()"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    served = Publication(lambda variables, version: None, version=5)
+    # The proxy listens on the Docker bridge (host-internal), the one address the trials' allowlist names.
+    with SessionProxy(gateway.url, host=bridge) as proxy:
+        with HarborSource(Gateway(gateway.url, sandbox_url=proxy.url), harbor=harbor("harbor_agent:ProbingChatAgent",
+                                                                                     [bridge]),
+                          model="dew-story", trials=2, served=served,
+                          eos_ids=[front.tokenizer.eos_token_id]) as source:
+            sessions = [future.result(timeout=600) for future in source.submit(Task("reply", {}), 0, 2)]
+        assert proxy.forwarded == 4 and proxy.refused == 0  # every model call went through the proxy
+    for session in sessions:
+        assert session.status is Status.COMPLETED, session.detail
+        assert session.reward == 1.0 and len(session.calls) == 2  # Harbor's verifier graded what the agent wrote
+        assert all(call.version == 5 and len(call.behavior_log_probs) == len(call.sampled_ids) > 0
+                   for call in session.calls)
+    probes = sorted(path.read_text() for path in trials.glob("*/agent/probe.txt"))  # what the agents wrote inside
+    assert probes == [f"{outside} ConnectionRefusedError\n"] * 2  # refused by the sidecar's rules

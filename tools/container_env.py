@@ -2,6 +2,7 @@
 
     uv run python tools/container_env.py up             # install Docker if missing, start its daemon, build the base image
     uv run python tools/container_env.py up --project   # ... and the project's image (the Dockerfile)
+    uv run python tools/container_env.py up --harbor    # ... and what Harbor's Docker environment needs
     uv run python tools/container_env.py down           # stop the daemon `up` started (nothing else)
     uv run python tools/container_env.py check          # exit 1, naming the missing step, when something is absent
 
@@ -12,9 +13,13 @@ Steps, each skipped when already done:
 3. the base image ``dew-ray/base:bookworm``: Debian bookworm (minbase, with python3) made by ``debootstrap`` and
    ``docker import``, so no registry is needed; cached by its tag;
 4. with ``--project``, the project's image ``dew-ray/dew-ray:latest`` from the Dockerfile (Docker's layer cache
-   makes a rebuild with unchanged dependencies take seconds).
+   makes a rebuild with unchanged dependencies take seconds);
+5. with ``--harbor``, what Harbor 0.25's Docker environment (``dew_harbor.docker``) needs beyond Docker: the
+   ``docker compose`` v2 and ``docker buildx`` plugins (Debian bookworm packages only Compose 1.29 and no buildx, so
+   they come out of Debian trixie's ``docker-compose`` 2.26.1 and ``docker-buildx`` 0.13.1 packages, from Debian's
+   own mirror).
 
-``.ci/run`` runs ``up --project`` before the tests and ``down`` after them; the tests' own fixture runs the same
+``.ci/run`` runs ``up --project --harbor`` before the tests and ``down`` after them; the tests' own fixture runs the same
 steps (``ensure``) and fails naming the step that could not be done, never skipping.
 """
 
@@ -34,6 +39,12 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE_IMAGE = "dew-ray/base:bookworm"
 PROJECT_IMAGE = "dew-ray/dew-ray:latest"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# Docker CLI plugins Harbor drives, from Debian trixie's packages (bookworm has Compose 1.29 and no buildx).
+PLUGINS = {
+    "compose": "pool/main/d/docker-compose/docker-compose_2.26.1-4_amd64.deb",
+    "buildx": "pool/main/d/docker-buildx/docker-buildx_0.13.1+ds1-3_amd64.deb",
+}
+PLUGIN_DIR = Path("/usr/local/lib/docker/cli-plugins")
 STATE = Path(os.environ.get("DEW_ENGINE_HOME", Path.home() / ".cache" / "dew-ray" / "engines")).parent
 PID_FILE = STATE / "dockerd.pid"
 LOG_FILE = STATE / "dockerd.log"
@@ -167,17 +178,41 @@ def build_project(tag: str = PROJECT_IMAGE) -> str:
     return "\n".join(result.stdout.strip().splitlines()[-2:])
 
 
-def ensure(project: bool = False) -> int | None:
+def install_plugins() -> list[str]:
+    """Step 5: the ``docker compose`` v2 and ``docker buildx`` plugins, each when ``docker <name> version`` fails;
+    returns the names installed."""
+    installed = []
+    for name, package in PLUGINS.items():
+        if subprocess.run(["docker", name, "version"], capture_output=True, timeout=60).returncode == 0:
+            continue
+        step = f"installing docker {name}"
+        if os.geteuid() != 0:
+            raise ContainerEngineError(f"{step}: writing {PLUGIN_DIR / ('docker-' + name)} needs root")
+        with tempfile.TemporaryDirectory(prefix="dew-plugin-") as folder:
+            deb = Path(folder) / "plugin.deb"
+            _run(["curl", "-fsSL", "-o", str(deb), f"{DEBIAN_MIRROR}/{package}"], f"{step} (downloading {package})")
+            _run(["dpkg-deb", "-x", str(deb), str(Path(folder) / "files")], f"{step} (unpacking {deb.name})")
+            PLUGIN_DIR.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(Path(folder) / "files" / "usr/libexec/docker/cli-plugins" / f"docker-{name}",
+                         PLUGIN_DIR / f"docker-{name}")
+        _run(["docker", name, "version"], f"{step} (checking the plugin)")
+        installed.append(name)
+    return installed
+
+
+def ensure(project: bool = False, harbor: bool = False) -> int | None:
     """Every step; returns the pid of a daemon it started (stop it with ``stop_daemon``), else None."""
     install()
     started = start_daemon()
     build_base()
     if project:
         build_project()
+    if harbor:
+        install_plugins()
     return started
 
 
-def missing_step(project: bool = False) -> str | None:
+def missing_step(project: bool = False, harbor: bool = False) -> str | None:
     """The first step not done, in words, or None when the engine and images are ready."""
     if shutil.which("docker") is None:
         return "the docker CLI is not installed (`uv run python tools/container_env.py up` installs it)"
@@ -186,6 +221,9 @@ def missing_step(project: bool = False) -> str | None:
     for tag, wanted in ((BASE_IMAGE, True), (PROJECT_IMAGE, project)):
         if wanted and not has_image(tag):
             return f"the image {tag} is not built (`uv run python tools/container_env.py up --project` builds it)"
+    for name in PLUGINS if harbor else ():
+        if subprocess.run(["docker", name, "version"], capture_output=True, timeout=60).returncode:
+            return f"docker {name} is not installed (`uv run python tools/container_env.py up --harbor` installs it)"
     return None
 
 
@@ -193,12 +231,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["up", "down", "check"])
     parser.add_argument("--project", action="store_true", help="also build the project's image (the Dockerfile)")
+    parser.add_argument("--harbor", action="store_true",
+                        help="also install docker compose v2 and buildx (Harbor's Docker environment drives them)")
     args = parser.parse_args(argv)
     if args.action == "down":
         print("stopped the Docker daemon `up` started" if stop_daemon() else "no daemon started by `up` to stop")
         return 0
     if args.action == "check":
-        step = missing_step(args.project)
+        step = missing_step(args.project, args.harbor)
         print(step or "the container engine and images are ready")
         return 1 if step else 0
     try:
@@ -217,6 +257,11 @@ def main(argv=None) -> int:
             began = time.monotonic()
             tail = build_project()
             print(f"project image {PROJECT_IMAGE} built ({time.monotonic() - began:.0f} s): {tail}", flush=True)
+        if args.harbor:
+            began = time.monotonic()
+            installed = install_plugins()
+            print(f"docker compose and buildx plugins: {', '.join(installed) or 'none'} installed "
+                  f"({time.monotonic() - began:.0f} s)", flush=True)
     except ContainerEngineError as error:
         print(f"container engine: {error}", file=sys.stderr)
         return 1

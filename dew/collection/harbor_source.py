@@ -196,7 +196,8 @@ class HarborCLI:
     ``--base-url <trial base URL>`` as ``openai/<model>``, and ``allow_hosts`` go to
     ``--allow-agent-host`` for a task whose agent phase runs with ``network_mode =
     "allowlist"``. ``args`` are added as they are (for example ``["--env", "daytona"]``, or
-    ``["--env", "dew_harbor.bubblewrap:BubblewrapEnvironment"]`` on a machine without
+    ``["--env", "dew_harbor.docker:DockerEnvironment"]`` where no registry serves Harbor's own
+    images, ``["--env", "dew_harbor.bubblewrap:BubblewrapEnvironment"]`` on a machine without
     containers); ``env`` adds environment variables for Harbor's process. The outcome comes from the trial's
     ``result.json``: ``verifier_result.rewards["reward"]`` (the other rewards are the
     components), ``exception_info`` an agent error or an infrastructure error by its type.
