@@ -30,7 +30,8 @@ def test_the_project_image_builds_and_runs_the_main_job_offline(container_engine
     command = ["docker", "run", "--rm", "--network", "none", "--shm-size", "1g", *BUBBLEWRAP_OPTIONS,
                "--volume", f"{out}:/out", image,
                "dew-ray", "rlvr", "--steps", "2", "--run-dir", "/out/run",
-               "--set", "sft_steps=40", "--set", "eval_tasks=8", "--set", "eval_samples=2", "--set", "progress=false"]
+               "--set", "sft_steps=10", "--set", "eval_tasks=4", "--set", "eval_samples=1", "--set", "tasks_per_step=4",
+               "--set", "progress=false"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "sandbox for code tasks: bubblewrap" in result.stdout  # the default runner, inside the container
