@@ -45,7 +45,8 @@ COPY dew_harbor ./dew_harbor
 COPY tools ./tools
 COPY cluster_configs ./cluster_configs
 COPY examples ./examples
-RUN uv sync --frozen --no-dev
+# Only the project is installed here; the dependencies were compiled to bytecode in their own layer above.
+RUN UV_COMPILE_BYTECODE=0 uv sync --frozen --no-dev
 
 # Optional inference engines (space-separated names from tools/engine_env.py: "vllm" for CPUs, "vllm-cuda" for
 # NVIDIA GPUs, "harbor", "gateway"), each in its own environment under DEW_ENGINE_HOME.

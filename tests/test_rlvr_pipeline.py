@@ -530,7 +530,7 @@ def test_a_warm_start_file_fits_a_users_model_to_its_conversations(qwen3_gsm8k, 
     assert not RLVRPipeline(tiny(tmp_path / "run2", model=str(model), prompts=str(parquet))).needs_warm_start()
 
 
-def test_checks_that_can_fail_early_fail_before_any_work(tmp_path, monkeypatch):
+def test_checks_that_can_fail_early_fail_before_any_work(tmp_path, monkeypatch, container_image):
     from dew_ray.pipelines import rlvr as pipeline
     from dew_ray.pipelines import run_dirs
 
@@ -549,7 +549,13 @@ def test_checks_that_can_fail_early_fail_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(pipeline.PreflightError, match="is not writable .* set run_dir to a directory you can write"):
         RLVRPipeline(tiny(blocked / "run")).preflight()
 
-    def no_bubblewrap(name):
+    # runner = "container" on an image Docker does not have: refused with Docker's own words (nothing is pulled)
+    with pytest.raises(pipeline.PreflightError, match="the container sandbox could not run a program \\(failed, exit "
+                                                      "125\\): .*dew-ray/no-such-image"):
+        RLVRPipeline(tiny(tmp_path / "run0", runner="container", container_image="dew-ray/no-such-image:0")).preflight()
+    assert "image dew-ray/base" in run_dirs.describe_runner(run_dirs.check_sandbox("container", container_image))
+
+    def no_bubblewrap(name, image):
         raise RuntimeError("bubblewrap ('bwrap') is not installed (apt-get install bubblewrap)")
 
     monkeypatch.setattr(run_dirs, "sandbox_runner", no_bubblewrap)
