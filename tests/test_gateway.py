@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import story_server
+from conftest import import_from, story_server
 
 from dew.data.stories import story_tokenizer
 from dew.inference import OpenAIFront, Publication
@@ -511,9 +511,10 @@ def harbor_docker(tmp_path_factory, container_engine):
 
 def test_harbor_trials_in_docker_reach_the_proxy_and_nothing_else(gateway, front, harbor_docker):
     harbor, trials, bridge, outside = harbor_docker
+    base = import_from("tools", "container_env").BASE_IMAGE
     host, port = outside.rsplit(":", 1)
     # The address the agents will fail to reach is reachable from a container without the allowlist.
-    probe = subprocess.run(["docker", "run", "--rm", "dew-ray/base:bookworm", "python3", "-c",
+    probe = subprocess.run(["docker", "run", "--rm", base, "python3", "-c",
                             f"import socket; socket.create_connection(('{host}', {port}), timeout=10).close()"],
                            capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr

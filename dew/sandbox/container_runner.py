@@ -36,10 +36,12 @@ class ContainerRunner(CapturingRunner):
             raise ValueError(f"runtime must be a command such as 'docker' or 'podman', got {runtime!r}")
         for name, value in (("cpu_shares", cpu_shares), ("scratch_bytes", scratch_bytes)):
             integer(f"{name}", value, at_least=2)
-        if shutil.which(runtime) is None:
+        found = shutil.which(runtime)
+        if found is None:
             raise RuntimeError(f"the container runtime {runtime!r} is not on PATH; install Docker (apt-get install "
                                "docker.io; tools/container_env.py does it and starts the daemon) or Podman")
         self.image, self.runtime, self.cpu_shares, self.scratch_bytes = image, runtime, cpu_shares, scratch_bytes
+        self.runtime_path = found  # for the watchers, which run with a minimal PATH of their own
         self.setpriv = shutil.which("setpriv", path=BASE_ENVIRONMENT["PATH"])
 
     def describe(self) -> str:
@@ -66,7 +68,7 @@ class ContainerRunner(CapturingRunner):
 
     def watcher_argv(self, name: str) -> list[str]:
         """A process that removes container ``name`` when the runner's thread dies (its parent-death signal)."""
-        runtime = shlex.quote(shutil.which(self.runtime) or self.runtime)
+        runtime = shlex.quote(self.runtime_path)
         script = f'trap "{runtime} rm -f {name} >/dev/null 2>&1; exit 0" TERM; while :; do sleep 3600 & wait $!; done'
         return [self.setpriv, "--pdeathsig", "TERM", "--", "/bin/sh", "-c", script]
 
