@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dew.models import native_product
 from dew.parallelism import constrain_rows
 
 MLP_ACTIVATIONS = ("swiglu", "gelu")
@@ -187,18 +189,26 @@ def _activation_weight_product(dtype, weight_axis, x_dtype, weight_dtype, x, wei
 
     ``x_dtype`` and ``weight_dtype`` are the operands' own dtypes, which their gradients take.
     """
-    return _contract(x.astype(dtype), weight.astype(dtype), ((x.ndim - 1,), (weight_axis,)))
+    return _forward_product(x.astype(dtype), weight.astype(dtype), weight_axis)
 
 
 def _contract(lhs, rhs, contracting):
     return jax.lax.dot_general(lhs, rhs, (contracting, ((), ())), preferred_element_type=jnp.float32)
 
 
+def _forward_product(x, weight, weight_axis: int):
+    """The forward weight product; a decode step's few bfloat16 rows go to dew's CPU kernel (native_product)."""
+    rows = math.prod(x.shape[:-1])
+    if x.dtype == weight.dtype == jnp.bfloat16 and native_product.applies(rows, out_in=weight_axis == 1):
+        return native_product.product(x, weight, out_in=weight_axis == 1)
+    return _contract(x, weight, ((x.ndim - 1,), (weight_axis,)))
+
+
 def _activation_weight_product_forward(dtype, weight_axis, x_dtype, weight_dtype, x, weight):
     # The operands are kept as the product read them: half the memory of float32 activations
     # with bfloat16 operands, and no second cast in the backward pass.
     x_low, weight_low = x.astype(dtype), weight.astype(dtype)
-    return _contract(x_low, weight_low, ((x.ndim - 1,), (weight_axis,))), (x_low, weight_low)
+    return _forward_product(x_low, weight_low, weight_axis), (x_low, weight_low)
 
 
 def _activation_weight_product_backward(dtype, weight_axis, x_dtype, weight_dtype, saved, grad):

@@ -1,0 +1,294 @@
+// bfloat16 weight products for few rows on the CPU: y [M, N] float32 = x [M, K] bfloat16 times a
+// bfloat16 weight, as an XLA FFI handler (see native_product.py, which builds and registers it).
+//
+// Why: XLA's CPU dot reads bfloat16 weights at about 15 GB/s when a decode step has a handful of
+// rows (and converts every weight to float32 for a single row), while such a product is a stream
+// over the weights: each weight is read once, widened to float32 (a 16-bit shift) and multiplied
+// into every row. The products of two bfloat16 values are exact in float32, so the result is the
+// bfloat16-operand, float32-accumulation product XLA computes, up to the order of the sums.
+//
+// Two layouts: "in_out" weights are [K, N] (a Dense kernel), "out_in" weights are [N, K] (a tied
+// embedding read as the output layer). The output columns are split among the caller and helper
+// threads (one per CPU the process may run on, less the caller; DEW_NATIVE_THREADS overrides).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include <sched.h>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float widen(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+constexpr int64_t kRowsPerPass = 8;  // rows of x multiplied into each weight read (registers)
+constexpr int64_t kDepth = 4;        // weight rows (in_out) summed before an accumulator is stored
+
+// in_out: y[m, :] = sum over k in [k0, k1) of x[m, k] w[k, :], for m in [0, rows). The weight rows
+// [k0, k1) are one contiguous stretch of memory, read front to back.
+void InOut(const float* x, const uint16_t* w, float* y, int64_t rows, int64_t K, int64_t N, int64_t k0,
+           int64_t k1) {
+  for (int64_t m = 0; m < rows; ++m) std::fill(y + m * N, y + m * N + N, 0.0f);
+  for (int64_t k = k0; k < k1; k += kDepth) {
+    const int64_t depth = std::min(kDepth, k1 - k);
+    int64_t n = 0;
+#if defined(__AVX512F__)
+    for (; n + 16 <= N; n += 16) {
+      __m512 wk[kDepth];
+      for (int64_t d = 0; d < depth; ++d) {
+        __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + d) * N + n));
+        wk[d] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        __m512 acc = _mm512_loadu_ps(y + m * N + n);
+        const float* xm = x + m * K + k;
+        for (int64_t d = 0; d < depth; ++d) acc = _mm512_fmadd_ps(_mm512_set1_ps(xm[d]), wk[d], acc);
+        _mm512_storeu_ps(y + m * N + n, acc);
+      }
+    }
+#endif
+    for (; n < N; ++n) {
+      for (int64_t m = 0; m < rows; ++m) {
+        float acc = y[m * N + n];
+        for (int64_t d = 0; d < depth; ++d) acc += x[m * K + k + d] * widen(w[(k + d) * N + n]);
+        y[m * N + n] = acc;
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// out_in with AVX512-BF16: vdpbf16ps multiplies 32 bfloat16 pairs into 16 float32 sums, no widening.
+void OutInPairs(const uint16_t* x, const uint16_t* w, float* y, int64_t rows, int64_t K, int64_t N, int64_t n0,
+                int64_t n1) {
+  constexpr int R = 4;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 acc[4][R];
+    for (int64_t m = 0; m < rows; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512bh wr[R];
+      for (int r = 0; r < R; ++r) wr[r] = (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k);
+      for (int64_t m = 0; m < rows; ++m) {
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wr[r]);
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m)
+      for (int r = 0; r < R; ++r) y[m * N + n + r] = _mm512_reduce_add_ps(acc[m][r]);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < rows; ++m) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += widen(x[m * K + k]) * widen(w[n * K + k]);
+      y[m * N + n] = acc;
+    }
+}
+#endif
+
+// out_in: y[m, n] = dot(x[m, :], w[n, :]) for n in [n0, n1), m in [0, rows) (rows <= kRowsPerPass),
+// R weight rows at a time.
+template <int R>
+void OutIn(const float* x, const uint16_t* w, float* y, int64_t rows, int64_t K, int64_t N, int64_t n0,
+           int64_t n1) {
+  int64_t n = n0;
+#if defined(__AVX512F__)
+  if (K % 16 == 0) {
+    for (; n + R <= n1; n += R) {
+      __m512 acc[kRowsPerPass][R];
+      for (int64_t m = 0; m < rows; ++m)
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) {
+        __m512 wr[R];
+        for (int r = 0; r < R; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(w + (n + R + r) * K + k), _MM_HINT_T0);
+          __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * K + k));
+          wr[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        }
+        for (int64_t m = 0; m < rows; ++m) {
+          __m512 xv = _mm512_loadu_ps(x + m * K + k);
+          for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wr[r], acc[m][r]);
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m)
+        for (int r = 0; r < R; ++r) y[m * N + n + r] = _mm512_reduce_add_ps(acc[m][r]);
+    }
+  }
+#endif
+  for (; n < n1; ++n) {
+    for (int64_t m = 0; m < rows; ++m) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += x[m * K + k] * widen(w[n * K + k]);
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+// Helper threads that share a product's columns with its caller. XLA's intra-op pool wakes its
+// threads too late for a product of a few hundred microseconds (a decode step runs one after the
+// other), so the helpers spin for a while after each product before they sleep. A product that
+// finds the helpers taken by another (two lanes decoding at once) runs on its caller alone.
+struct Job {
+  std::function<void(int64_t)> run;  // one part of the columns
+  int64_t parts = 0;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void Claim() {
+    for (int64_t part; (part = next.fetch_add(1)) < parts;) {
+      run(part);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+class Helpers {
+ public:
+  static Helpers& Get() {
+    static Helpers* helpers = new Helpers();  // never destroyed: its threads outlive static destructors
+    return *helpers;
+  }
+
+  int64_t threads() const { return static_cast<int64_t>(count_) + 1; }
+
+  // Runs job->run(0 .. parts - 1) on the caller and the helpers; returns when every part is done.
+  void Run(const std::shared_ptr<Job>& job) {
+    bool expected = false;
+    if (count_ > 0 && taken_.compare_exchange_strong(expected, true)) {
+      {
+        std::lock_guard<std::mutex> guard(mutex_);
+        job_ = job;
+      }
+      generation_.fetch_add(1, std::memory_order_release);
+      generation_.notify_all();
+      job->Claim();
+      while (job->done.load(std::memory_order_acquire) < job->parts) {
+      }
+      taken_.store(false, std::memory_order_release);
+    } else {
+      job->Claim();
+    }
+  }
+
+ private:
+  Helpers() {
+    const char* env = std::getenv("DEW_NATIVE_THREADS");
+    cpu_set_t set;
+    int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    count_ = std::max(0, (env ? std::atoi(env) : cpus) - 1);
+    for (int i = 0; i < count_; ++i) std::thread([this] { Loop(); }).detach();
+  }
+
+  void Loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t now;
+      for (int64_t spins = 0; (now = generation_.load(std::memory_order_acquire)) == seen; ++spins) {
+        if (spins < kSpins)
+          Pause();
+        else
+          generation_.wait(seen, std::memory_order_acquire);
+      }
+      seen = now;
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> guard(mutex_);
+        job = job_;
+      }
+      if (job) job->Claim();
+    }
+  }
+
+  static void Pause() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  static constexpr int64_t kSpins = 200000;  // about 2-5 ms of spinning before the helper sleeps
+  int count_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> taken_{false};
+  std::mutex mutex_;
+  std::shared_ptr<Job> job_;
+};
+
+ffi::Error Product(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, bool out_in) {
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 ||
+      y->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("dew_bf16_product takes bfloat16 operands and returns float32");
+  auto wd = w.dimensions();
+  auto xd = x.dimensions();
+  if (wd.size() != 2 || xd.size() < 1) return ffi::Error::InvalidArgument("dew_bf16_product: a 2-D weight");
+  const int64_t K = xd.back();
+  const int64_t N = out_in ? wd[0] : wd[1];
+  if ((out_in ? wd[1] : wd[0]) != K) return ffi::Error::InvalidArgument("dew_bf16_product: contraction sizes differ");
+  const int64_t M = static_cast<int64_t>(x.element_count()) / std::max<int64_t>(K, 1);
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto* ws = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  auto* ys = reinterpret_cast<float*>(y->untyped_data());
+  std::vector<float> xf(M * K);  // x widened once
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(xs[i]);
+
+  // out_in: one span of output rows (a multiple of 64) per thread. in_out: one span of weight rows
+  // per thread, each summed into its own buffer (the caller's into y), added up at the end: every
+  // thread reads one contiguous stretch of the weight.
+  Helpers& helpers = Helpers::Get();
+  auto job = std::make_shared<Job>();
+  const int64_t split = out_in ? N : K;
+  job->parts = std::max<int64_t>(1, std::min<int64_t>(helpers.threads(), split / 64));
+  const int64_t span = ((split + job->parts - 1) / job->parts + 63) / 64 * 64;
+  std::vector<float> partial(out_in ? 0 : (job->parts - 1) * M * N);
+  job->run = [=, xp = xf.data(), scratch = partial.data()](int64_t part) {
+    (void)xs;
+    const int64_t begin = std::min(split, part * span), end = std::min(split, begin + span);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+      const int64_t rows = std::min(kRowsPerPass, M - m0);
+#if defined(__AVX512BF16__)
+      if (out_in && rows <= 4 && K % 32 == 0) {
+        OutInPairs(xs + m0 * K, ws, ys + m0 * N, rows, K, N, begin, end);
+        continue;
+      }
+#endif
+      if (out_in && rows <= 2)
+        OutIn<8>(xp + m0 * K, ws, ys + m0 * N, rows, K, N, begin, end);
+      else if (out_in)
+        OutIn<4>(xp + m0 * K, ws, ys + m0 * N, rows, K, N, begin, end);
+      else
+        InOut(xp + m0 * K, ws, (part ? scratch + (part - 1) * M * N : ys) + m0 * N, rows, K, N, begin, end);
+    }
+  };
+  helpers.Run(job);
+  for (int64_t part = 1; part < job->parts && !out_in; ++part)
+    for (int64_t i = 0; i < M * N; ++i) ys[i] += partial[(part - 1) * M * N + i];
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DewBf16Product, Product,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("out_in"));

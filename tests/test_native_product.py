@@ -1,0 +1,96 @@
+"""dew's CPU kernel for bfloat16 weight products of few rows (dew/models/native_product.py)."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.models import native_product
+from dew.models.transformer import weight_product
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not native_product.available():
+        pytest.fail(f"the kernel is off on a machine with a compiler: {native_product.reason()}")
+
+
+def xla(x, weight, out_in):
+    return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1 if out_in else 0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+@pytest.mark.parametrize("out_in", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("features", [(1024, 3072), (96, 200), (130, 33)])
+def test_product_equals_xla_bfloat16_dot(kernel, out_in, rows, features):
+    # The products of two bfloat16 values are exact in float32: the kernel and XLA differ only in
+    # the order of the sums. Sizes off the 16-, 32- and 64-wide paths check the remainders.
+    fan_in, fan_out = features
+    keys = jax.random.split(jax.random.key(rows), 2)
+    x = jax.random.normal(keys[0], (rows, fan_in), jnp.bfloat16)
+    shape = (fan_out, fan_in) if out_in else (fan_in, fan_out)
+    weight = jax.random.normal(keys[1], shape, jnp.bfloat16)
+    got = jax.jit(native_product.product, static_argnames="out_in")(x, weight, out_in=out_in)
+    want = xla(x, weight, out_in)
+    assert got.shape == (rows, fan_out) and got.dtype == jnp.float32
+    # the sum of the terms' magnitudes bounds what a different order of the float32 sums can change
+    magnitude = float(xla(jnp.abs(x), jnp.abs(weight), out_in).max())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=magnitude * 2**-20)
+
+
+def test_batched_rows_and_vmap(kernel):
+    x = jax.random.normal(jax.random.key(0), (2, 1, 64), jnp.bfloat16)  # [batch, length, in]: 2 rows
+    weight = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)
+    got = native_product.product(x, weight, out_in=False)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(xla(x, weight, False)), atol=1e-4)
+    mapped = jax.vmap(lambda row: native_product.product(row, weight, out_in=False))(x)
+    np.testing.assert_allclose(np.asarray(mapped), np.asarray(got), atol=1e-5)
+
+
+def test_weight_product_routes_few_bfloat16_rows_and_keeps_its_gradients(kernel, monkeypatch):
+    product = weight_product(jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    x = jax.random.normal(jax.random.key(0), (2, 64), jnp.float32)
+    weight = jax.random.normal(jax.random.key(1), (64, 32), jnp.bfloat16)
+    assert "dew_bf16_product" in jax.jit(lambda x, w: product(x, w, dims)).lower(x, weight).as_text()
+    many = jnp.ones((64, 64), jnp.float32)  # beyond the kernel's rows: XLA's dot
+    assert "dew_bf16_product" not in jax.jit(lambda x, w: product(x, w, dims)).lower(many, weight).as_text()
+
+    def loss(x, weight):
+        return jnp.sum(product(x, weight, dims) ** 2)
+
+    got = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, weight)
+    monkeypatch.setattr(native_product, "applies", lambda rows, out_in: False)  # the same product through XLA
+    want = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, weight)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+    for a, b in zip(got[1], want[1], strict=True):  # XLA backward products; the forward differs in its sums
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2**-7, atol=1e-6)
+
+
+def run_without_kernel(tmp_path, **env):
+    script = (
+        "import jax, jax.numpy as jnp\n"
+        "from dew.models import native_product\n"
+        "x = jnp.ones((2, 32), jnp.bfloat16); w = jnp.ones((32, 8), jnp.bfloat16)\n"
+        "print(native_product.available(), native_product.reason(), float(native_product.product(x, w, False)[0, 0]))\n"
+    )
+    environment = {**os.environ, "DEW_NATIVE_HOME": str(tmp_path), **env}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, check=True)
+    return done.stdout.strip(), done.stderr
+
+
+def test_a_failed_build_says_why_and_leaves_the_products_to_xla(tmp_path):
+    out, err = run_without_kernel(tmp_path, CXX="/bin/false")
+    assert out.startswith("False the kernel did not build or load: /bin/false failed (1)") and out.endswith(" 32.0")
+    assert "XLA's dot serves instead" in err
+
+
+def test_dew_native_0_turns_it_off(tmp_path):
+    out, _ = run_without_kernel(tmp_path, DEW_NATIVE="0")
+    assert out == "False DEW_NATIVE=0 32.0"
+    assert not list(tmp_path.iterdir())  # nothing built
