@@ -183,3 +183,48 @@ def test_serving_in_bfloat16_runs_bfloat16_products(task):
         np.testing.assert_allclose(result.old_log_probs, generated.old_log_probs[row], atol=2e-2)
         # the first draw reads the same prompt in both precisions: bfloat16 rounding moves it a little
         np.testing.assert_allclose(result.old_log_probs[0], full.old_log_probs[row, 0], atol=0.1)
+
+
+def test_a_group_prefills_its_prompt_once_and_each_sample_draws_its_own(task, monkeypatch):
+    import dew.inference.server as server_module
+
+    prompt, other = PROMPTS[1], PROMPTS[3]
+    # a GRPO group of 4 (one admission), another prompt, then 2 more of the group joining while it decodes
+    requests = [(prompt, 6 + 2 * seed, seed) for seed in range(4)] + [(other, 4, 9)] + [(prompt, 5, 7), (prompt, 3, 8)]
+    alone = [run(Server.from_task(task, slots=1, capacity=32), [request])[0] for request in requests]
+    prefilled, shared = [], []
+    prefill, share = server_module._prefill, server_module._share
+    monkeypatch.setattr(server_module, "_prefill",
+                        lambda *args: prefilled.append(int(args[-1].joining.sum())) or prefill(*args))
+    monkeypatch.setattr(server_module, "_share", lambda kv, slots, copies, blocks: shared.append(
+        int((copies.targets < slots.lengths.shape[0]).sum())) or share(kv, slots, copies, blocks))
+    together = run(Server.from_task(task, slots=5, capacity=32), requests)
+    assert prefilled == [2]  # the group's prompt and the other one, in one pack
+    assert shared == [3, 1, 1]  # the group's other 3 samples, then each later one as a slot frees
+    for result, expected in zip(together, alone, strict=True):
+        assert result.ids == expected.ids  # its own key: the copied samples diverge from the first token on
+        np.testing.assert_allclose(result.old_log_probs, expected.old_log_probs, atol=1e-5)
+    assert len({tuple(result.ids) for result in together[:4]}) > 1
+
+
+def test_after_a_reload_a_held_prompt_is_prefilled_again(task, monkeypatch):
+    import dew.inference.server as server_module
+
+    prompt = PROMPTS[1]
+    changed = jax.tree.map(lambda leaf: leaf * 1.5, task.variables)
+    server = Server.from_task(task, slots=2, capacity=32)
+    first = server.submit(prompt, 8, 0)
+    server.step()
+    server.reload(changed)
+    prefilled = []
+    prefill = server_module._prefill
+    monkeypatch.setattr(server_module, "_prefill",
+                        lambda *args: prefilled.append(int(args[-1].joining.sum())) or prefill(*args))
+    second = server.submit(prompt, 4, 1)
+    results = {}
+    while server.busy:
+        results.update((done.request, done) for done in server.step())
+    assert prefilled == [1]  # held under the old weights: prefilled again, not copied
+    fresh = ServingTask(task.model, changed, task.sampling)
+    assert results[second].ids == run(Server.from_task(fresh, slots=1, capacity=32), [(prompt, 4, 1)])[0].ids
+    assert len(results[first].ids) == 8

@@ -101,6 +101,8 @@ class _Active:
     budget: int
     context: int  # prompt ids in the cache
     sampling: Sampling | None = None  # the request's own, when it is not the served one
+    prompt: bytes = b""  # its prompt ids (int32 bytes): a request with the same prompt copies its cache rows
+    weights: int = 0  # the Server's reload count when its prompt was prefilled
     launched: int = 0  # decode steps started for it: the next one writes cache position context + launched
     ids: list = dataclasses.field(default_factory=list)
     old: list = dataclasses.field(default_factory=list)
@@ -125,11 +127,13 @@ class _Slots:
     lengths (the cache's valid positions), last (the logits the next draw samples from),
     keys (each request's key data), steps (tokens drawn so far), budgets, alive
     (still decoding: it has not sampled EOS nor spent its budget) and controls (each
-    request's Sampling as ``dew.sampling.controls``, read by steps that mix Samplings).
+    request's Sampling as ``dew.sampling.controls``, read by steps that mix Samplings) and
+    first (the logits after the request's prompt, which a request with the same prompt starts from).
     """
 
     lengths: jax.Array
     last: jax.Array
+    first: jax.Array
     keys: jax.Array
     steps: jax.Array
     budgets: jax.Array
@@ -146,6 +150,7 @@ def _prefill(model, variables, kv, slots: _Slots, pack: "_Pack"):
     return (cache.keys, cache.values), _Slots(
         lengths=cache.lengths,
         last=jnp.where(joining[:, None], logits[0], slots.last),
+        first=jnp.where(joining[:, None], logits[0], slots.first),
         keys=jnp.where(joining[:, None], pack.keys, slots.keys),
         steps=jnp.where(joining, 0, slots.steps),
         budgets=jnp.where(joining, pack.budgets, slots.budgets),
@@ -172,6 +177,7 @@ def _decode(model, variables, kv, slots: _Slots, keep, sampling: Sampling, mixed
     after = _Slots(
         lengths=cache.lengths,
         last=jnp.where(feed[:, None], logits[:, 0], slots.last),
+        first=slots.first,
         keys=slots.keys,
         steps=slots.steps + alive,
         budgets=slots.budgets,
@@ -179,6 +185,43 @@ def _decode(model, variables, kv, slots: _Slots, keep, sampling: Sampling, mixed
         controls=slots.controls,
     )
     return (cache.keys, cache.values), after, (drawn.ids, drawn.old_log_probs, drawn.behavior_log_probs, ended, alive)
+
+
+@partial(jax.jit, static_argnames=("blocks",), donate_argnames=("kv",))
+def _share(kv, slots: _Slots, copies: "_Copies", blocks: int):
+    """Start requests from the prompt another row of the lane already holds: its first ``blocks`` cache blocks
+    (the prompt's positions) copied into theirs, and its logits after the prompt (see :meth:`Server._admit`)."""
+    sources, targets = copies.sources, copies.targets
+
+    def copied(layer):
+        return tuple(block.at[targets].set(block[sources], mode="drop") if index < blocks else block
+                     for index, block in enumerate(layer))
+
+    keys, values = kv
+    first = slots.first[sources]
+    return (tuple(copied(layer) for layer in keys), tuple(copied(layer) for layer in values)), _Slots(
+        lengths=slots.lengths.at[targets].set(copies.lengths, mode="drop"),
+        last=slots.last.at[targets].set(first, mode="drop"),
+        first=slots.first.at[targets].set(first, mode="drop"),
+        keys=slots.keys.at[targets].set(copies.keys, mode="drop"),
+        steps=slots.steps.at[targets].set(0, mode="drop"),
+        budgets=slots.budgets.at[targets].set(copies.budgets, mode="drop"),
+        alive=slots.alive.at[targets].set(True, mode="drop"),
+        controls=slots.controls.at[targets].set(copies.controls, mode="drop"),
+    )
+
+
+@struct.dataclass
+class _Copies:
+    """Requests that start from a prompt another lane row holds: sources and targets (lane rows; padding
+    targets point past the rows and are dropped), and each target's prompt length, key, budget and controls."""
+
+    sources: jax.Array
+    targets: jax.Array
+    lengths: jax.Array
+    keys: jax.Array
+    budgets: jax.Array
+    controls: jax.Array
 
 
 @dataclasses.dataclass
@@ -269,6 +312,7 @@ class Server:
             self._kv.append((cache.keys, cache.values))
             self._slots.append(_Slots(
                 lengths=cache.lengths, last=jnp.zeros((rows, model.vocab_size), jnp.float32),
+                first=jnp.zeros((rows, model.vocab_size), jnp.float32),
                 keys=jnp.zeros((rows, *jax.random.key_data(jax.random.key(0)).shape), jnp.uint32),
                 steps=jnp.zeros(rows, jnp.int32), budgets=jnp.zeros(rows, jnp.int32), alive=jnp.zeros(rows, bool),
                 controls=jnp.tile(jnp.asarray(controls(sampling), jnp.float32), (rows, 1)),
@@ -279,6 +323,7 @@ class Server:
         self._queue: deque = deque()
         self._cancelled: set[int] = set()
         self._numbers = itertools.count()
+        self._weights = 0  # reloads so far
 
     @classmethod
     def from_task(
@@ -332,6 +377,7 @@ class Server:
     def reload(self, variables) -> None:
         """Serve ``variables`` from the next step on, cast to the served dtype."""
         self.variables = cast_floating(variables, self.dtype)
+        self._weights += 1  # prompts held under the old weights are prefilled again
         for lane, ahead in enumerate(self._ahead):  # drawn with the old weights: the next step draws it again
             if ahead is not None:
                 self._slots[lane] = ahead.before
@@ -435,20 +481,59 @@ class Server:
         return Finished(entry.request, entry.ids, entry.old, entry.behavior, reason)
 
     def _admit(self) -> None:
+        """Give waiting requests free slots: each prompt is prefilled once per lane.
+
+        A request whose prompt a row of its lane already holds (a GRPO group's other
+        samples, the ``n`` draws of one OpenAI request) is not prefilled: that row's
+        cache blocks up to the prompt's end are copied into its row and it starts from
+        the same logits, then draws with its own key. A row holds a prompt from its
+        prefill (or copy) until its request leaves, under the weights it was prefilled
+        with: after a ``reload`` the prompt is prefilled again.
+        """
         free = [slot for slot, entry in enumerate(self._active) if entry is None]
         joining = []
         while free and self._queue:
             slot = max(free, key=self._lane_room)  # balance the lanes: the free slot of the emptiest lane
             free.remove(slot)
             number, ids, budget, seed, sampling = self._queue.popleft()
-            self._active[slot] = _Active(number, budget, len(ids), sampling)
+            self._active[slot] = _Active(number, budget, len(ids), sampling, ids.tobytes(), self._weights)
             joining.append((slot, ids, budget, seed, sampling))
         for lane, span in enumerate(self._lane_slots):
             entries = [entry for entry in joining if span.start <= entry[0] < span.stop]
-            for pack in self._packs(entries, span.start):
+            joining_slots = {entry[0] for entry in entries}
+            holders = {entry.prompt: slot for slot, entry in enumerate(self._active[span], start=span.start)
+                       if entry is not None and slot not in joining_slots and entry.weights == self._weights}
+            prefilled, copies = [], []
+            for entry in entries:
+                prompt = entry[1].tobytes()
+                if prompt in holders:
+                    copies.append((holders[prompt], *entry))
+                else:
+                    holders[prompt] = entry[0]
+                    prefilled.append(entry)
+            for pack in self._packs(prefilled, span.start):
                 self._kv[lane], self._slots[lane] = _prefill(
                     self.model, self.variables, self._kv[lane], self._slots[lane], pack
                 )
+            if copies:
+                self._kv[lane], self._slots[lane] = _share(
+                    self._kv[lane], self._slots[lane], self._copies(copies, span.start),
+                    blocks_reaching(self._ends, max(len(entry[2]) for entry in copies)),
+                )
+
+    def _copies(self, copies: list, start: int) -> _Copies:
+        """The requests that copy a held prompt, padded to a power of two (padding targets are dropped)."""
+        size = bucket(len(copies), least=1)
+        sources, targets = np.zeros(size, np.int32), np.full(size, self._rows, np.int32)
+        lengths, budgets = np.zeros(size, np.int32), np.zeros(size, np.int32)
+        keys = np.zeros((size, *self._slots[0].keys.shape[1:]), np.uint32)
+        rules = np.tile(np.asarray(controls(self.sampling), np.float32), (size, 1))
+        for index, (source, slot, ids, budget, seed, sampling) in enumerate(copies):
+            sources[index], targets[index] = source - start, slot - start
+            lengths[index], budgets[index] = len(ids), budget
+            keys[index] = jax.random.key_data(jax.random.key(seed))
+            rules[index] = controls(sampling or self.sampling)
+        return _Copies(*(jnp.asarray(a) for a in (sources, targets, lengths, keys, budgets, rules)))
 
     def _packs(self, joining: list, start: int):
         """The prompts joining a lane as packs of at most PACKED_IDS ids (a longer prompt alone).
