@@ -1,14 +1,26 @@
 """Native Server generation throughput against vLLM (CPU) and transformers' generate on the same weights.
 
-Model: the bench's 12.6M-parameter Qwen3-shaped decoder (bench/sft_step.py gives its shape), randomly initialised
-in dew, exported with Pretrained.save for the peer. Prompts of 16 to 48 ids (mixed
-lengths), top-k 50, no EOS stop, served in float32 and in bfloat16 (dew: bfloat16
-weights and weight products with float32 accumulation; the peer: the model loaded in
-bfloat16). Two workloads for 1, 8 and 32 concurrent requests:
+Two model shapes (``--shape``), randomly initialised in dew and exported with
+Pretrained.save for the peers; top-k 50, no EOS stop, served in float32 and in bfloat16
+(dew: bfloat16 weights and weight products with float32 accumulation; the peers: the
+model loaded in bfloat16):
 
-- fixed: that many requests of 128 new tokens each, all at once;
-- mixed: eight times as many requests, each with its own budget of 16 to 128 new
-  tokens (as responses end at EOS at different lengths), that many at a time.
+- ``bench`` (the default): the bench's 12.6M-parameter Qwen3-shaped decoder
+  (bench/sft_step.py gives its shape), prompts of 16 to 48 ids, 128 new tokens;
+- ``qwen3-0.6b``: Qwen3-0.6B's shape (596M parameters, vocabulary 151,936, 28 layers,
+  tied embeddings), prompts of 64 ids, 64 new tokens; float32 runs the fixed workload
+  only, transformers the fixed workloads only (for time: about 35 minutes for 2 rounds
+  on 2 cores), and a GRPO-shaped workload: 8 prompts of 256 ids, 8 samples of each
+  (responses of 16 to 128 ids), 32 concurrent, against vLLM with prefix caching on.
+  It also prints the bandwidth bound at one request: the bfloat16 weights read once
+  per token at the measured copy bandwidth.
+
+Two workloads for 1, 8 and 32 concurrent requests:
+
+- fixed: that many requests of a fixed number of new tokens each, all at once;
+- mixed: several times as many requests (8x at the bench shape, 2x at 0.6B), each with
+  its own budget (16 to 128 new tokens; 16 to 64 at 0.6B), as responses end at EOS at
+  different lengths, that many at a time.
 
 dew's continuous-batching Server (as many slots as concurrent requests, in one lane and,
 from 8 requests, in two lanes decoding side by side) gets every request at once and runs
@@ -30,14 +42,16 @@ it reads per step (the cache blocks up to the furthest position of the step's re
 averaged over the steps) divided by the step time, set against this machine's measured
 copy bandwidth.
 
-    uv run python bench/serve_throughput.py [--rounds 2]
+    uv run python bench/serve_throughput.py [--rounds 2] [--shape bench|qwen3-0.6b]
 
-Prints a table and writes bench/results/serve_throughput.{json,png}.
+Prints a table and writes bench/results/serve_throughput.{json,png} (the 0.6B shape:
+serve_throughput_qwen3-0.6b.{json,png}).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 import statistics
@@ -60,12 +74,45 @@ from dew.sampling import Sampling
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
 CONCURRENCY = (1, 8, 32)
-LANES = {1: (1,), 8: (1, 2), 32: (1, 2)}
 PRECISIONS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 WORKLOADS = ("fixed", "mixed")
-NEW_TOKENS, CAPACITY = 128, 192
-MIXED_BUDGETS = (16, 128)  # each request's budget is drawn from this range
-MIXED_REQUESTS = 8  # requests per concurrent one: a rollout batch of 256 at 32 concurrent
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A model shape and the workloads it is measured on."""
+
+    label: str
+    model: dict
+    prompt: tuple[int, int]  # prompt lengths (inclusive range)
+    new_tokens: int  # fixed workload's budget
+    mixed: tuple[int, int]  # mixed workload's budgets
+    mixed_requests: int  # mixed requests per concurrent one
+    capacity: int
+    lanes: dict  # concurrency -> lane counts to run
+    grpo: dict | None = None  # prompt ids, group size, groups, response budgets, concurrency
+    float32_workloads: tuple[str, ...] = WORKLOADS  # what float32 runs
+    transformers_workloads: tuple[str, ...] = WORKLOADS  # what transformers runs
+
+    @property
+    def suffix(self) -> str:
+        return "" if self.label == "bench" else f"_{self.label}"
+
+
+SHAPES = {
+    "bench": Shape(
+        "bench", dict(vocab_size=8192, emb_features=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
+                      mlp_features=1024, qk_norm=True),
+        prompt=(16, 48), new_tokens=128, mixed=(16, 128), mixed_requests=8, capacity=192,
+        lanes={1: (1,), 8: (1, 2), 32: (1, 2)}),
+    "qwen3-0.6b": Shape(
+        "qwen3-0.6b", dict(vocab_size=151936, emb_features=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                           head_dim=128, mlp_features=3072, qk_norm=True, rope_theta=1e6),
+        prompt=(64, 64), new_tokens=64, mixed=(16, 64), mixed_requests=2, capacity=384,
+        lanes={1: (1,), 8: (1,), 32: (1,)},
+        grpo=dict(prompt=256, group=8, groups=8, responses=(16, 128), concurrency=32),
+        float32_workloads=("fixed",), transformers_workloads=("fixed",)),
+}
 
 
 def copy_bandwidth() -> float:
@@ -82,22 +129,30 @@ def _timed(work) -> float:
     return time.perf_counter() - start
 
 
-def make_workloads(rng) -> dict[str, dict]:
-    """``<workload>/<concurrency>`` -> {"concurrency", "prompts", "budgets"}: the requests both runners serve."""
-    prompt = lambda: rng.integers(1, 8192, rng.integers(16, 49)).tolist()  # noqa: E731
-    out = {f"fixed/{c}": {"concurrency": c, "prompts": [prompt() for _ in range(c)], "budgets": [NEW_TOKENS] * c}
-           for c in CONCURRENCY}
+def make_workloads(rng, shape: Shape) -> dict[str, dict]:
+    """``<workload>/<concurrency>`` -> {"concurrency", "prompts", "budgets"}: the requests every runner serves."""
+    low, high = shape.prompt
+    prompt = lambda length=None: rng.integers(1, 8192, length or rng.integers(low, high + 1)).tolist()  # noqa: E731
+    out = {f"fixed/{c}": {"concurrency": c, "prompts": [prompt() for _ in range(c)],
+                          "budgets": [shape.new_tokens] * c} for c in CONCURRENCY}
     for c in CONCURRENCY:
-        count = c * MIXED_REQUESTS
+        count = c * shape.mixed_requests
         out[f"mixed/{c}"] = {"concurrency": c, "prompts": [prompt() for _ in range(count)],
-                             "budgets": rng.integers(MIXED_BUDGETS[0], MIXED_BUDGETS[1] + 1, count).tolist()}
+                             "budgets": rng.integers(shape.mixed[0], shape.mixed[1] + 1, count).tolist()}
+    if shape.grpo:
+        g = shape.grpo
+        prompts = [prompt(g["prompt"]) for _ in range(g["groups"])]
+        count = g["groups"] * g["group"]
+        out[f"grpo/{g['concurrency']}"] = {
+            "concurrency": g["concurrency"], "prompts": [p for p in prompts for _ in range(g["group"])],
+            "budgets": rng.integers(g["responses"][0], g["responses"][1] + 1, count).tolist()}
     return out
 
 
-def dew_round(model, variables, work: dict, dtype, lanes: int = 1) -> tuple[float, float]:
+def dew_round(model, variables, work: dict, dtype, capacity: int, lanes: int = 1) -> tuple[float, float]:
     """(tokens per second, seconds per decode step) for one workload run to completion."""
     server = Server(model, variables, Sampling(temperature=1.0, top_k=50), slots=work["concurrency"],
-                    capacity=CAPACITY, dtype=dtype, lanes=lanes)
+                    capacity=capacity, dtype=dtype, lanes=lanes)
     for index, (prompt, budget) in enumerate(zip(work["prompts"], work["budgets"], strict=True)):
         server.submit(prompt, budget, seed=index)
     steps, generated, start = 0, 0, time.perf_counter()
@@ -135,21 +190,28 @@ def vllm_round(engine: VLLMEngine, work: dict) -> float:
     return generated / seconds
 
 
-def positions_read(prompts: list[list[int]]) -> float:
+def positions_read(prompts: list[list[int]], shape: Shape) -> float:
     """Cache positions per slot that the Server's decode steps read, averaged over the steps of a round."""
-    ends = np.cumsum(cache_blocks(CAPACITY, BLOCK_SIZE))
-    reach = [max(len(p) for p in prompts) + step + 1 for step in range(NEW_TOKENS)]
+    ends = np.cumsum(cache_blocks(shape.capacity, BLOCK_SIZE))
+    reach = [max(len(p) for p in prompts) + step + 1 for step in range(shape.new_tokens)]
     return statistics.mean(float(ends[blocks_reaching(ends, r) - 1]) for r in reach)
+
+
+def runs(shape: Shape, precision: str, key: str) -> bool:
+    """Whether a workload runs in a precision at a shape (float32 only on the shape's float32 workloads)."""
+    return precision == "bfloat16" or key.split("/")[0] in shape.float32_workloads
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     args = parser.parse_args()
-    model = models.build("causal_transformer", vocab_size=8192, emb_features=384, num_layers=6, num_heads=6,
-                         num_kv_heads=2, head_dim=64, mlp_features=1024, max_seq_len=CAPACITY, qk_norm=True)
+    shape = SHAPES[args.shape]
+    model = models.build("causal_transformer", max_seq_len=shape.capacity, **shape.model)
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
-    workloads = make_workloads(np.random.default_rng(0))
+    parameters = sum(x.size for x in jax.tree.leaves(variables))
+    workloads = make_workloads(np.random.default_rng(0), shape)
     bandwidth = copy_bandwidth()
     # rates[precision][runner][workload] -> tokens/s of each round
     rates = {p: {"dew": {}, "dew, 2 lanes": {}, "vLLM": {}, "transformers": {}} for p in PRECISIONS}
@@ -157,101 +219,122 @@ def main() -> None:
     version = None
     with tempfile.TemporaryDirectory() as scratch:
         Pretrained.from_model(model).save(variables, scratch)
-        workloads_file = Path(scratch) / "workloads.json"
-        workloads_file.write_text(json.dumps(workloads))
+        peer_files = {}
+        for precision in PRECISIONS:  # the workloads transformers runs in each precision
+            chosen = {k: w for k, w in workloads.items() if runs(shape, precision, k)
+                      and k.split("/")[0] in shape.transformers_workloads}
+            peer_files[precision] = Path(scratch) / f"workloads-{precision}.json"
+            peer_files[precision].write_text(json.dumps(chosen))
         for precision, dtype in PRECISIONS.items():  # compile every shape before timing
-            for work in workloads.values():
-                for lanes in LANES[work["concurrency"]]:
-                    dew_round(model, variables, work, dtype, lanes)
+            for key, work in workloads.items():
+                for lanes in shape.lanes.get(work["concurrency"], (1,)):
+                    if runs(shape, precision, key):
+                        dew_round(model, variables, work, dtype, shape.capacity, lanes)
         for precision, dtype in PRECISIONS.items():
             engine = None
             if engine_python("vllm") is not None:
-                engine = VLLMEngine(scratch, name="bench", dtype=precision, max_model_len=CAPACITY,
-                                    max_num_seqs=max(CONCURRENCY), kv_cache_gib=2, log=Path(scratch) / "vllm.log")
-                for work in workloads.values():  # vLLM's warm-up: every shape once, untimed
-                    vllm_round(engine, work)
+                engine = VLLMEngine(scratch, name="bench", dtype=precision, max_model_len=shape.capacity,
+                                    max_num_seqs=max(CONCURRENCY), kv_cache_gib=4, log=Path(scratch) / "vllm.log",
+                                    args=["--enable-prefix-caching"])
+                for key, work in workloads.items():  # vLLM's warm-up: every shape once, untimed
+                    if runs(shape, precision, key):
+                        vllm_round(engine, work)
             try:
                 for index in range(args.rounds):
                     by = rates[precision]
                     for key, work in workloads.items():
-                        rate, step = dew_round(model, variables, work, dtype)
+                        if not runs(shape, precision, key):
+                            continue
+                        rate, step = dew_round(model, variables, work, dtype, shape.capacity)
                         by["dew"].setdefault(key, []).append(rate)
                         step_seconds[precision].setdefault(key, []).append(step)
-                        if 2 in LANES[work["concurrency"]]:
+                        if 2 in shape.lanes.get(work["concurrency"], ()):
                             by["dew, 2 lanes"].setdefault(key, []).append(
-                                dew_round(model, variables, work, dtype, 2)[0])
+                                dew_round(model, variables, work, dtype, shape.capacity, 2)[0])
                         if engine is not None:
                             by["vLLM"].setdefault(key, []).append(vllm_round(engine, work))
                     if PEER_PYTHON.exists():
-                        peer = peer_round(scratch, workloads_file, precision)
+                        peer = peer_round(scratch, peer_files[precision], precision)
                         version = peer.pop("transformers")
                         for key, rate in peer.items():
                             by["transformers"].setdefault(key, []).append(rate)
-                    latest = (f"{name} " + ", ".join(f"{c}: {v[-1]:.0f}" for c, v in runs.items())
-                              for name, runs in by.items() if runs)
+                    latest = (f"{name} " + ", ".join(f"{c}: {v[-1]:.1f}" for c, v in runs_.items())
+                              for name, runs_ in by.items() if runs_)
                     print(f"round {index + 1}/{args.rounds}, {precision}: " + "; ".join(latest), flush=True)
             finally:
                 if engine is not None:
                     engine.close()
 
-    print(f"\nGeneration, 12.6M-parameter decoder, prompts 16-48 ids, top-k 50, 2 CPU cores; fixed: {NEW_TOKENS} new "
-          f"tokens per request; mixed: {MIXED_REQUESTS}x as many requests as concurrent, {MIXED_BUDGETS[0]}-"
-          f"{MIXED_BUDGETS[1]} new tokens each; copy bandwidth {bandwidth:.1f} GB/s")
+    weight_gb = {p: sum(x.size * jnp.dtype(d).itemsize for x in jax.tree.leaves(variables)) / 1e9
+                 for p, d in PRECISIONS.items()}
+    bound = bandwidth / weight_gb["bfloat16"]
+    g = shape.grpo
+    print(f"\nGeneration, {parameters / 1e6:.1f}M-parameter decoder ({shape.label}), prompts {shape.prompt[0]}-"
+          f"{shape.prompt[1]} ids, top-k 50, 2 CPU cores; fixed: {shape.new_tokens} new tokens per request; mixed: "
+          f"{shape.mixed_requests}x as many requests as concurrent, {shape.mixed[0]}-{shape.mixed[1]} new tokens each"
+          + (f"; grpo: {g['groups']} prompts of {g['prompt']} ids x {g['group']} samples, {g['responses'][0]}-"
+             f"{g['responses'][1]} new tokens each" if g else "")
+          + f"; copy bandwidth {bandwidth:.1f} GB/s; bound at 1 request (bfloat16 weights, {weight_gb['bfloat16']:.2f}"
+          f" GB, read once per token): {bound:.1f} tokens/s")
     print(f"{'precision':>9} {'workload':>8} {'concurrency':>11} {'dew tok/s':>10} {'2 lanes':>8} {'vLLM':>7} "
           f"{'dew/vLLM':>8} {'HF tok/s':>9} {'dew/HF':>7} {'step ms':>8} {'read GB/s':>10} {'of copy':>8}")
     summary = {}
-    for precision, dtype in PRECISIONS.items():
+    head = model.head_size * model.kv_heads * model.num_layers
+    for precision in PRECISIONS:
         by = rates[precision]
-        weight_bytes = sum(x.size * jnp.dtype(dtype).itemsize for x in jax.tree.leaves(variables))
         for key, work in workloads.items():
+            if not runs(shape, precision, key):
+                continue
             kind, concurrency = key.split("/")[0], work["concurrency"]
-            dew = statistics.median(by["dew"][key])
-            laned = statistics.median(by["dew, 2 lanes"][key]) if key in by["dew, 2 lanes"] else None
-            peer = statistics.median(by["transformers"][key]) if by["transformers"] else None
-            vllm = statistics.median(by["vLLM"][key]) if by["vLLM"] else None
+            median = lambda runner: statistics.median(by[runner][key]) if by[runner].get(key) else None  # noqa: E731
+            dew, laned, vllm, peer = median("dew"), median("dew, 2 lanes"), median("vLLM"), median("transformers")
             best = max(dew, laned or 0.0)
             step = statistics.median(step_seconds[precision][key])
             read = None
             if kind == "fixed":  # every step holds every request: the bytes read per step are known
                 # float32 keys and values of every layer and slot, over the cache blocks the steps read
-                kv_bytes = 2 * 6 * concurrency * positions_read(work["prompts"]) * 2 * 64 * 4
-                read = (weight_bytes + kv_bytes) / step / 1e9
+                kv_bytes = 2 * head * concurrency * positions_read(work["prompts"], shape) * 4
+                read = (weight_gb[precision] * 1e9 + kv_bytes) / step / 1e9
             summary[f"{precision}/{key}"] = {"dew": dew, "dew_2_lanes": laned, "vllm": vllm, "transformers": peer,
                                              "step_seconds": step, "read_gbps": read}
-            print(f"{precision:>9} {kind:>8} {concurrency:>11} {dew:>10.0f} {(f'{laned:.0f}' if laned else '-'):>8} "
-                  f"{(f'{vllm:.0f}' if vllm else '-'):>7} {(f'{best / vllm:.2f}x' if vllm else '-'):>8} "
-                  f"{(f'{peer:.0f}' if peer else '-'):>9} {(f'{best / peer:.2f}x' if peer else '-'):>7} "
+            print(f"{precision:>9} {kind:>8} {concurrency:>11} {dew:>10.1f} {(f'{laned:.1f}' if laned else '-'):>8} "
+                  f"{(f'{vllm:.1f}' if vllm else '-'):>7} {(f'{best / vllm:.2f}x' if vllm else '-'):>8} "
+                  f"{(f'{peer:.1f}' if peer else '-'):>9} {(f'{best / peer:.2f}x' if peer else '-'):>7} "
                   f"{step * 1e3:>8.2f} {(f'{read:.1f}' if read else '-'):>10} "
                   f"{(f'{read / bandwidth:.0%}' if read else '-'):>8}")
+    one = summary.get("bfloat16/fixed/1", {}).get("dew")
+    if one:
+        print(f"dew at 1 request, bfloat16: {one:.1f} tokens/s, {one / bound:.0%} of the bound")
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    (results / "serve_throughput.json").write_text(json.dumps(
-        {"rates": rates, "summary": summary, "copy_gbps": bandwidth, "transformers": version}, indent=2))
+    (results / f"serve_throughput{shape.suffix}.json").write_text(json.dumps(
+        {"shape": shape.label, "parameters": parameters, "rates": rates, "summary": summary, "copy_gbps": bandwidth,
+         "bound_tokens_per_second": bound, "transformers": version}, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(len(WORKLOADS), len(PRECISIONS), figsize=(10, 6), sharey=True, squeeze=False)
-    positions = np.arange(len(CONCURRENCY))
-    for row, kind in enumerate(WORKLOADS):
+    kinds = sorted({key.split("/")[0] for key in workloads}, key=["fixed", "mixed", "grpo"].index)
+    figure, axes = plt.subplots(len(kinds), len(PRECISIONS), figsize=(10, 3 * len(kinds)), squeeze=False)
+    for row, kind in enumerate(kinds):
         for axis, precision in zip(axes[row], PRECISIONS, strict=True):
-            rows = [summary[f"{precision}/{kind}/{c}"] for c in CONCURRENCY]
+            keys = [k for k in workloads if k.startswith(kind + "/") and f"{precision}/{k}" in summary]
+            rows = [summary[f"{precision}/{k}"] for k in keys]
+            positions = np.arange(len(keys))
             axis.bar(positions - 0.3, [r["dew"] for r in rows], 0.2, label="dew Server", color="#4477aa")
             axis.bar(positions - 0.1, [r["dew_2_lanes"] or 0 for r in rows], 0.2, label="dew Server, 2 lanes",
                      color="#66ccee")
-            if rows[0]["vllm"]:
-                axis.bar(positions + 0.1, [r["vllm"] for r in rows], 0.2, label="vLLM (CPU) 0.32", color="#ee6677")
-            if version:
-                axis.bar(positions + 0.3, [r["transformers"] for r in rows], 0.2,
-                         label=f"transformers {version} generate", color="#bbbbbb")
-            axis.set_xticks(positions, [f"{c} concurrent" for c in CONCURRENCY])
-            axis.set_title(f"{precision}, {kind} budgets")
+            axis.bar(positions + 0.1, [r["vllm"] or 0 for r in rows], 0.2, label="vLLM (CPU) 0.32", color="#ee6677")
+            axis.bar(positions + 0.3, [r["transformers"] or 0 for r in rows], 0.2,
+                     label=f"transformers {version} generate", color="#bbbbbb")
+            axis.set_xticks(positions, [f"{k.split('/')[1]} concurrent" for k in keys])
+            axis.set_title(f"{shape.label}, {precision}, {kind}")
         axes[row][0].set_ylabel("generated tokens per second")
-    axes[0][0].legend()
+    axes[0][0].legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(results / "serve_throughput.png", dpi=120)
-    print(f"wrote {results / 'serve_throughput.json'} and {results / 'serve_throughput.png'}")
+    figure.savefig(results / f"serve_throughput{shape.suffix}.png", dpi=120)
+    print(f"wrote {results / f'serve_throughput{shape.suffix}.json'} and {results / f'serve_throughput{shape.suffix}.png'}")
 
 
 if __name__ == "__main__":
