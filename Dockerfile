@@ -15,13 +15,14 @@
 ARG BASE=dew-ray/base:bookworm
 FROM ${BASE}
 
-# python3-venv for uv's own venv; bubblewrap and util-linux for the sandbox; ca-certificates for PyPI and model hubs.
+# python3-venv for uv's own venv; bubblewrap and util-linux for the sandbox; ca-certificates for PyPI and model hubs;
+# g++ builds dew's bfloat16 weight-product kernel on first use (dew/models/native_product.py; without it XLA's dot serves).
 # EXTRA_CA_CERTS: PEM certificates to trust besides Debian's, for builds behind a TLS-inspecting proxy
 # (tools/container_env.py passes the host's /usr/local/share/ca-certificates).
 ARG EXTRA_CA_CERTS=""
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      python3-venv bubblewrap util-linux procps ca-certificates \
+      python3-venv bubblewrap util-linux procps ca-certificates g++ \
  && rm -rf /var/lib/apt/lists/* \
  && if [ -n "$EXTRA_CA_CERTS" ]; then printf '%s\n' "$EXTRA_CA_CERTS" > /usr/local/share/ca-certificates/extra.crt \
       && update-ca-certificates >/dev/null; fi

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ def test_weight_product_routes_few_bfloat16_rows_and_keeps_its_gradients(kernel,
     x = jax.random.normal(jax.random.key(0), (2, 64), jnp.float32)
     weight = jax.random.normal(jax.random.key(1), (64, 32), jnp.bfloat16)
     assert "dew_bf16_product" in jax.jit(lambda x, w: product(x, w, dims)).lower(x, weight).as_text()
-    many = jnp.ones((64, 64), jnp.float32)  # beyond the kernel's rows: XLA's dot
+    many = jnp.ones((native_product.IN_OUT_ROWS + 1, 64), jnp.float32)  # beyond the kernel's rows: XLA's dot
     assert "dew_bf16_product" not in jax.jit(lambda x, w: product(x, w, dims)).lower(many, weight).as_text()
 
     def loss(x, weight):
@@ -70,6 +71,24 @@ def test_weight_product_routes_few_bfloat16_rows_and_keeps_its_gradients(kernel,
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
     for a, b in zip(got[1], want[1], strict=True):  # XLA backward products; the forward differs in its sums
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2**-7, atol=1e-6)
+
+
+def test_products_from_two_threads_at_once(kernel):
+    # Two lanes decode at once: a product that finds the helper threads taken runs on its caller alone.
+    product = jax.jit(native_product.product, static_argnames="out_in")
+    inputs = [(jax.random.normal(jax.random.key(i), (2, 256), jnp.bfloat16),
+               jax.random.normal(jax.random.key(10 + i), (256, 4096), jnp.bfloat16)) for i in range(2)]
+    alone = [np.asarray(product(x, w, out_in=False)) for x, w in inputs]
+
+    def repeat(index):
+        x, w = inputs[index]
+        return [np.asarray(product(x, w, out_in=False)) for _ in range(30)]
+
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(repeat, range(2)))
+    for index in range(2):
+        for result in together[index]:
+            np.testing.assert_array_equal(result, alone[index])
 
 
 def run_without_kernel(tmp_path, **env):

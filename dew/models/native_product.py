@@ -5,7 +5,8 @@ the time to read the weights. XLA's CPU dot reads bfloat16 weights at about 15 G
 2 to 8 rows and converts every weight to float32 first at 1 row (8 to 10 times slower),
 so serving a 0.6B model in bfloat16 was no faster than in float32. ``native_product.cc``
 streams the weights once, widening each to float32 and multiplying it into every row:
-about 27-32 GB/s on this machine's 2 cores (bench/serve_throughput.py has the figures).
+about 22 GB/s in a 0.6B decode step on this machine's 2 cores, whose plain streaming read
+reaches 29 GB/s (README, Benchmarks).
 
 The kernel is compiled with the machine's C++ compiler (``$CXX`` or ``c++``, with
 ``-march=native``) against the FFI headers jaxlib ships, the first time a process needs
@@ -37,9 +38,10 @@ import jaxlib
 
 SOURCE = Path(__file__).with_name("native_product.cc")
 TARGET = "dew_bf16_product"
-# Rows up to which the kernel beats XLA's dot in a 0.6B decode step on this machine (measured: at 8 rows
-# XLA's dot is faster, 50 against 41 tokens/s; at 4 rows the kernel, 42 against 36).
-IN_OUT_ROWS = OUT_IN_ROWS = 4
+# Rows up to which the kernel serves, as measured on this machine: at 1 and 2 rows it beats XLA's dot at
+# both bench shapes (0.6B: 14.6 against 7.6 tokens/s at one request; 12.6M: 433 against 366); at 4 rows
+# it won at 0.6B (42 against 36) but lost at 12.6M (1,100 against 1,230), at 8 rows it lost at 0.6B.
+IN_OUT_ROWS = OUT_IN_ROWS = 2
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
