@@ -8,8 +8,9 @@
 // bfloat16-operand, float32-accumulation product XLA computes, up to the order of the sums.
 //
 // Two layouts: "in_out" weights are [K, N] (a Dense kernel), "out_in" weights are [N, K] (a tied
-// embedding read as the output layer). The output columns are split among the caller and helper
-// threads (one per CPU the process may run on, less the caller; DEW_NATIVE_THREADS overrides).
+// embedding read as the output layer). The work is split among the caller and helper threads (one
+// per CPU the process may run on, less the caller; DEW_NATIVE_THREADS overrides): in_out by weight
+// rows, out_in by output rows, so each thread reads one contiguous stretch of the weight.
 
 #include <algorithm>
 #include <atomic>

@@ -14,7 +14,9 @@ it, into ``$DEW_NATIVE_HOME`` or ``~/.cache/dew-ray/native`` under a name that h
 source, jaxlib's version, the compiler and the CPU's flags (a shared home on machines of
 different CPUs gets one build per CPU). Where there is no compiler or the build fails,
 :func:`available` is False, :func:`reason` says why, and the products stay XLA's (the
-same results up to the order of the sums). ``DEW_NATIVE=0`` turns the kernel off.
+same results up to the order of the sums). ``DEW_NATIVE=0`` turns the kernel off;
+``DEW_NATIVE_THREADS`` sets how many threads share a product (by default the CPUs the
+process may run on).
 
 The kernel serves only the CPU: on a GPU, :func:`product` lowers to XLA's dot.
 """
