@@ -205,6 +205,40 @@ def runs(shape: Shape, precision: str, key: str) -> bool:
     return precision == "bfloat16" or key.split("/")[0] in shape.float32_workloads
 
 
+def plot(summary: dict, keys: list[str], label: str, version: str | None, path: Path) -> None:
+    """Bars per workload kind and precision; a panel whose runs the shape skips says so."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted({key.split("/")[0] for key in keys}, key=["fixed", "mixed", "grpo"].index)
+    figure, axes = plt.subplots(len(kinds), len(PRECISIONS), figsize=(10, 3 * len(kinds)), squeeze=False)
+    for row, kind in enumerate(kinds):
+        for axis, precision in zip(axes[row], PRECISIONS, strict=True):
+            chosen = [k for k in keys if k.startswith(kind + "/") and f"{precision}/{k}" in summary]
+            axis.set_title(f"{label}, {precision}, {kind}")
+            if not chosen:
+                axis.text(0.5, 0.5, "not run at this shape (for time)", ha="center", va="center",
+                          transform=axis.transAxes)
+                axis.set_xticks([])
+                axis.set_yticks([])
+                continue
+            rows = [summary[f"{precision}/{k}"] for k in chosen]
+            positions = np.arange(len(chosen))
+            axis.bar(positions - 0.3, [r["dew"] for r in rows], 0.2, label="dew Server", color="#4477aa")
+            axis.bar(positions - 0.1, [r["dew_2_lanes"] or 0 for r in rows], 0.2, label="dew Server, 2 lanes",
+                     color="#66ccee")
+            axis.bar(positions + 0.1, [r["vllm"] or 0 for r in rows], 0.2, label="vLLM (CPU) 0.32", color="#ee6677")
+            axis.bar(positions + 0.3, [r["transformers"] or 0 for r in rows], 0.2,
+                     label=f"transformers {version} generate", color="#bbbbbb")
+            axis.set_xticks(positions, [f"{k.split('/')[1]} concurrent" for k in chosen])
+            axis.set_ylabel("generated tokens per second")
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -313,30 +347,7 @@ def main() -> None:
     (results / f"serve_throughput{shape.suffix}.json").write_text(json.dumps(
         {"shape": shape.label, "parameters": parameters, "rates": rates, "summary": summary, "copy_gbps": bandwidth,
          "bound_tokens_per_second": bound, "transformers": version}, indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kinds = sorted({key.split("/")[0] for key in workloads}, key=["fixed", "mixed", "grpo"].index)
-    figure, axes = plt.subplots(len(kinds), len(PRECISIONS), figsize=(10, 3 * len(kinds)), squeeze=False)
-    for row, kind in enumerate(kinds):
-        for axis, precision in zip(axes[row], PRECISIONS, strict=True):
-            keys = [k for k in workloads if k.startswith(kind + "/") and f"{precision}/{k}" in summary]
-            rows = [summary[f"{precision}/{k}"] for k in keys]
-            positions = np.arange(len(keys))
-            axis.bar(positions - 0.3, [r["dew"] for r in rows], 0.2, label="dew Server", color="#4477aa")
-            axis.bar(positions - 0.1, [r["dew_2_lanes"] or 0 for r in rows], 0.2, label="dew Server, 2 lanes",
-                     color="#66ccee")
-            axis.bar(positions + 0.1, [r["vllm"] or 0 for r in rows], 0.2, label="vLLM (CPU) 0.32", color="#ee6677")
-            axis.bar(positions + 0.3, [r["transformers"] or 0 for r in rows], 0.2,
-                     label=f"transformers {version} generate", color="#bbbbbb")
-            axis.set_xticks(positions, [f"{k.split('/')[1]} concurrent" for k in keys])
-            axis.set_title(f"{shape.label}, {precision}, {kind}")
-        axes[row][0].set_ylabel("generated tokens per second")
-    axes[0][0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(results / f"serve_throughput{shape.suffix}.png", dpi=120)
+    plot(summary, list(workloads), shape.label, version, results / f"serve_throughput{shape.suffix}.png")
     print(f"wrote {results / f'serve_throughput{shape.suffix}.json'} and {results / f'serve_throughput{shape.suffix}.png'}")
 
 
