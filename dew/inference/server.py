@@ -505,7 +505,7 @@ class Server:
                        if entry is not None and slot not in joining_slots and entry.weights == self._weights}
             prefilled, copies = [], []
             for entry in entries:
-                prompt = entry[1].tobytes()
+                prompt = self._active[entry[0]].prompt
                 if prompt in holders:
                     copies.append((holders[prompt], *entry))
                 else:
@@ -521,6 +521,10 @@ class Server:
                     blocks_reaching(self._ends, max(len(entry[2]) for entry in copies)),
                 )
 
+    def _draw_state(self, seed: int, sampling: Sampling | None) -> tuple[np.ndarray, tuple]:
+        """A joining request's key data and its Sampling's controls, as its slot row holds them."""
+        return jax.random.key_data(jax.random.key(seed)), controls(sampling or self.sampling)
+
     def _copies(self, copies: list, start: int) -> _Copies:
         """The requests that copy a held prompt, padded to a power of two (padding targets are dropped)."""
         size = bucket(len(copies), least=1)
@@ -531,8 +535,7 @@ class Server:
         for index, (source, slot, ids, budget, seed, sampling) in enumerate(copies):
             sources[index], targets[index] = source - start, slot - start
             lengths[index], budgets[index] = len(ids), budget
-            keys[index] = jax.random.key_data(jax.random.key(seed))
-            rules[index] = controls(sampling or self.sampling)
+            keys[index], rules[index] = self._draw_state(seed, sampling)
         return _Copies(*(jnp.asarray(a) for a in (sources, targets, lengths, keys, budgets, rules)))
 
     def _packs(self, joining: list, start: int):
@@ -560,8 +563,7 @@ class Server:
                 tokens[0, offset:end], segments[0, offset:end] = ids, number
                 positions[0, offset:end], rows[0, offset:end] = np.arange(len(ids)), row
                 joins[row], last[row], budgets[row] = True, end - 1, budget
-                keys[row] = jax.random.key_data(jax.random.key(seed))
-                rules[row] = controls(sampling or self.sampling)
+                keys[row], rules[row] = self._draw_state(seed, sampling)
                 offset = end
             yield _Pack(*(jnp.asarray(a) for a in (tokens, segments, positions, rows, joins, last, keys, budgets,
                                                     rules)))
