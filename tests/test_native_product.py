@@ -91,6 +91,16 @@ def test_products_from_two_threads_at_once(kernel):
             np.testing.assert_array_equal(result, alone[index])
 
 
+def test_bad_operands_are_refused_by_name():
+    x, weight = jnp.ones((2, 32), jnp.bfloat16), jnp.ones((32, 8), jnp.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 operands, got x float32 and weight bfloat16"):
+        native_product.product(x.astype(jnp.float32), weight, out_in=False)
+    with pytest.raises(ValueError, match=r"by a \[out, in\] weight; got x \(2, 32\) and weight \(32, 8\)"):
+        native_product.product(x, weight, out_in=True)
+    with pytest.raises(ValueError, match=r"by a \[in, out\] weight; got x \(2, 32\) and weight \(8,\)"):
+        native_product.product(x, jnp.ones((8,), jnp.bfloat16), out_in=False)
+
+
 def run_without_kernel(tmp_path, **env):
     script = (
         "import jax, jax.numpy as jnp\n"

@@ -128,8 +128,14 @@ def product(x: jax.Array, weight: jax.Array, out_in: bool) -> jax.Array:
 
     On the CPU the native kernel (XLA's dot where it is off); on other platforms XLA's dot.
     """
-    features = weight.shape[0] if out_in else weight.shape[1]
+    if x.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16:
+        raise TypeError(f"native_product takes bfloat16 operands, got x {x.dtype} and weight {weight.dtype}")
     axis = 1 if out_in else 0
+    if weight.ndim != 2 or x.ndim < 1 or weight.shape[axis] != x.shape[-1]:
+        layout = "[out, in]" if out_in else "[in, out]"
+        raise ValueError(f"native_product multiplies x [..., in] by a {layout} weight; got x {x.shape} and "
+                         f"weight {weight.shape}")
+    features = weight.shape[1 - axis]
 
     def xla(x, weight):
         return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (axis,)), ((), ())),
