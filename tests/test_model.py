@@ -203,6 +203,37 @@ def test_a_float32_weight_product_differentiates_like_the_plain_product(weight_a
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("weight_axis", [0, 1])
+def test_a_bfloat16_weight_product_differentiates_like_the_plain_product_of_bfloat16_operands(weight_axis):
+    # The weight gradient transposes one operand in memory before its product (see _transposed);
+    # the sums are the same bfloat16 products accumulated in float32, so the gradients match closely.
+    from dew.models.transformer import weight_product
+
+    x = jax.random.normal(jax.random.key(0), (3, 7, 24))
+    weight = jax.random.normal(jax.random.key(1), (24, 10) if weight_axis == 0 else (10, 24))
+    dims = (((2,), (weight_axis,)), ((), ()))
+    cotangent = jax.random.normal(jax.random.key(2), (3, 7, 10))
+
+    def plain(x, w, dims):
+        return jax.lax.dot_general(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), dims,
+                                   preferred_element_type=jnp.float32)
+
+    def loss(product):
+        return lambda x, w: (product(x, w, dims) * cotangent).sum()
+
+    ours = jax.grad(loss(weight_product(jnp.bfloat16)), argnums=(0, 1))(x, weight)
+    want = jax.grad(loss(plain), argnums=(0, 1))(x, weight)
+    for got, expected in zip(ours, want):
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+    # The weight gradient's products are exact sums of bfloat16 products: the same numbers as
+    # float64 arithmetic on the rounded operands, up to float32 accumulation.
+    rows_x = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64).reshape(-1, 24)
+    rows_grad = np.asarray(cotangent.astype(jnp.bfloat16).astype(jnp.float32), np.float64).reshape(-1, 10)
+    exact = rows_x.T @ rows_grad if weight_axis == 0 else rows_grad.T @ rows_x
+    np.testing.assert_allclose(ours[1], exact, rtol=1e-5, atol=1e-5)
+
+
 def test_bfloat16_compute_takes_bfloat16_operands_in_the_backward_pass_too():
     model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1, num_heads=2,
                          mlp_features=32, max_seq_len=8, matmul_dtype=jnp.bfloat16)
