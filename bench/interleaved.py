@@ -9,6 +9,7 @@ the rounds as dots.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -18,20 +19,26 @@ PEER_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
 RESULTS = ROOT / "bench" / "results"
 
 
-def measure(command: list[str]) -> dict:
-    """Run ``command`` from the repository root and return the JSON record on its last line."""
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+def measure(command: list[str], env: dict[str, str] | None = None) -> dict:
+    """Run ``command`` from the repository root (with ``env`` added to this environment) and return the JSON
+    record on its last line."""
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                         env=None if env is None else {**os.environ, **env})
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed with code {out.returncode}:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_rounds(commands: dict[str, list[str]], rounds: int, show: str = "steps_per_second") -> dict[str, list[dict]]:
-    """Every command once per round, in order; prints each round's ``show`` figures (of the records that have one)."""
+def run_rounds(commands: dict[str, list[str]], rounds: int, show: str = "steps_per_second",
+               environments: dict[str, dict[str, str]] | None = None) -> dict[str, list[dict]]:
+    """Every command once per round, in order; prints each round's ``show`` figures (of the records that have one).
+
+    ``environments`` adds variables to the environment of the entries it names.
+    """
     records: dict[str, list[dict]] = {name: [] for name in commands}
     for index in range(rounds):
         for name, command in commands.items():
-            records[name].append(measure(command))
+            records[name].append(measure(command, (environments or {}).get(name)))
         shown = (f"{name} {r[-1][show]:.3f}" for name, r in records.items() if show in r[-1])
         print(f"round {index + 1}/{rounds}: " + ", ".join(shown), flush=True)
     return records

@@ -71,6 +71,7 @@ from dew.inference.wire import expect
 from dew.inference.server import BLOCK_SIZE, blocks_reaching, cache_blocks
 from dew.models.pretrained import Pretrained
 from dew.sampling import Sampling
+from shapes import MODEL_SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
@@ -102,13 +103,11 @@ class Shape:
 
 SHAPES = {
     "bench": Shape(
-        "bench", dict(vocab_size=8192, emb_features=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
-                      mlp_features=1024, qk_norm=True),
+        "bench", MODEL_SHAPES["bench"],
         prompt=(16, 48), new_tokens=128, mixed=(16, 128), mixed_requests=8, capacity=192,
         lanes={1: (1,), 8: (1, 2), 32: (1, 2)}),
     "qwen3-0.6b": Shape(
-        "qwen3-0.6b", dict(vocab_size=151936, emb_features=1024, num_layers=28, num_heads=16, num_kv_heads=8,
-                           head_dim=128, mlp_features=3072, qk_norm=True, rope_theta=1e6),
+        "qwen3-0.6b", MODEL_SHAPES["qwen3-0.6b"],
         prompt=(64, 64), new_tokens=64, mixed=(16, 64), mixed_requests=2, capacity=384,
         lanes={1: (1,), 8: (1,), 32: (1,)},
         grpo=dict(prompt=256, group=8, groups=8, responses=(16, 128), concurrency=32),

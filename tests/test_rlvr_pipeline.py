@@ -202,6 +202,7 @@ def test_cluster_configs_are_valid_for_ray_and_kuberay():
     assert launcher["docker"]["image"] == image and "seccomp=unconfined" in " ".join(launcher["docker"]["run_options"])
     starts = [c for c in launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"] if "ray start" in c]
     assert len(starts) == 2 and all("RAY_AUTH_MODE=token " in command for command in starts)  # every node asks
+    assert all("GLIBC_TUNABLES=glibc.malloc.hugetlb=1 " in command for command in starts)  # dew.hugepages
     assert launcher["file_mounts"]["/root/.ray/auth_token"] == "~/.ray/auth_token"  # for the same token
 
     for name in ("rayjob.yaml", "rayjob-vllm-gpu.yaml"):

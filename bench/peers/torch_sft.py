@@ -1,6 +1,7 @@
 """Peer for bench/sft_step.py: a plain torch training loop on transformers' Qwen3 (run in .venv-ref).
 
-float32, no gradient checkpointing. Prints one JSON line: {"steps_per_second", "peak_rss_gib", "torch",
+float32, no gradient checkpointing; arguments: steps, rows, width, threads and the shape (bench/shapes.py).
+Prints one JSON line: {"steps_per_second", "peak_rss_gib", "torch",
 "transformers"}.
 """
 
@@ -10,13 +11,13 @@ import time
 
 import torch
 import transformers
-from qwen3_bench import VOCAB, bench_model, peak_rss_gib
+from qwen3_bench import bench_model, peak_rss_gib, vocab
 
 
-def main(steps: int, rows: int, width: int, threads: int) -> None:
-    model = bench_model(width, threads).train()
+def main(steps: int, rows: int, width: int, threads: int, shape: str = "bench") -> None:
+    model = bench_model(width, threads, shape).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = torch.randint(0, VOCAB, (rows, width + 1))
+    batch = torch.randint(0, vocab(shape), (rows, width + 1))
 
     def step():
         out = model(input_ids=batch[:, :-1], labels=batch[:, :-1])
@@ -35,4 +36,4 @@ def main(steps: int, rows: int, width: int, threads: int) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:5]))
+    main(*(int(a) for a in sys.argv[1:5]), *sys.argv[5:6])

@@ -1,8 +1,8 @@
 """Peer for bench/dpo_step.py: TRL's DPOTrainer on the same model shape and pairs (run in .venv-ref).
 
-The bench's 12.6M-parameter Qwen3-shaped decoder (bench/sft_step.py gives its shape), randomly initialised, with a
-word-level tokenizer over its 8,192 ids ("w0" ... "w8191"), so the pairs are the same
-ids dew trains on: 8 pairs, 31 prompt ids, 32 completion ids and EOS (64 ids a side),
+A Qwen3-shaped decoder of the shape given third (bench/shapes.py; the 12.6M-parameter bench decoder by default),
+randomly initialised, with a word-level tokenizer over its ids ("w0", "w1", ...), so the pairs are the same
+ids dew trains on: the pairs given fourth (default 8), 31 prompt ids, 32 completion ids and EOS (64 ids a side),
 beta 0.1, AdamW, 2 threads. ``mode`` picks TRL's configuration:
 
 - ``float32``: ``bf16=False, gradient_checkpointing=False``, the like-for-like peer;
@@ -20,21 +20,21 @@ import tempfile
 import numpy as np
 import trl
 from datasets import Dataset
-from qwen3_bench import TRL_MODES, VOCAB, StepTimes, bench_model, peak_rss_gib, word_tokenizer
+from qwen3_bench import TRL_MODES, StepTimes, bench_model, peak_rss_gib, vocab, word_tokenizer
 from trl import DPOConfig, DPOTrainer
 
-PAIRS, PROMPT, ANSWER = 8, 31, 32
+PROMPT, ANSWER = 31, 32
 
 
-def main(steps: int, mode: str) -> None:
-    model, tokenizer = bench_model(128), word_tokenizer()
+def main(steps: int, mode: str, shape: str = "bench", pairs: int = 8) -> None:
+    model, tokenizer, top = bench_model(128, shape=shape), word_tokenizer(shape), vocab(shape)
     rng = np.random.default_rng(0)
     words = lambda ids: " ".join(f"w{i}" for i in ids)  # noqa: E731
-    rows = [{"prompt": words(rng.integers(2, VOCAB, PROMPT)), "chosen": " " + words(rng.integers(2, VOCAB, ANSWER)),
-             "rejected": " " + words(rng.integers(2, VOCAB, ANSWER))} for _ in range(PAIRS)]
+    rows = [{"prompt": words(rng.integers(2, top, PROMPT)), "chosen": " " + words(rng.integers(2, top, ANSWER)),
+             "rejected": " " + words(rng.integers(2, top, ANSWER))} for _ in range(pairs)]
     timer = StepTimes()
     with tempfile.TemporaryDirectory() as out:
-        args = DPOConfig(output_dir=out, per_device_train_batch_size=PAIRS, max_steps=steps, learning_rate=1e-4,
+        args = DPOConfig(output_dir=out, per_device_train_batch_size=pairs, max_steps=steps, learning_rate=1e-4,
                          beta=0.1, logging_steps=steps, report_to="none", use_cpu=True, save_strategy="no",
                          dataloader_num_workers=0, max_length=None, disable_tqdm=True, **TRL_MODES[mode])
         trainer = DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args, train_dataset=Dataset.from_list(rows * steps),
@@ -45,4 +45,4 @@ def main(steps: int, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    main(int(sys.argv[1]), sys.argv[2], *sys.argv[3:4], *(int(a) for a in sys.argv[4:5]))

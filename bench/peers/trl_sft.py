@@ -1,7 +1,7 @@
 """Peer for bench/sft_step.py: TRL's SFTTrainer on the same model and batch (run in .venv-ref).
 
-The bench's 12.6M-parameter Qwen3-shaped decoder (bench/sft_step.py gives its shape), randomly initialised; 8 rows
-of 128 token ids, given already tokenized (an ``input_ids`` column, so TRL runs no
+A Qwen3-shaped decoder of the shape named last (bench/shapes.py; the 12.6M-parameter bench decoder by default),
+randomly initialised; the rows of token ids bench/sft_step.py gives, given already tokenized (an ``input_ids`` column, so TRL runs no
 tokenizer), AdamW, 2 threads. ``mode`` picks TRL's configuration:
 
 - ``float32``: ``bf16=False, gradient_checkpointing=False``, the like-for-like peer;
@@ -18,13 +18,13 @@ import tempfile
 import numpy as np
 import trl
 from datasets import Dataset
-from qwen3_bench import TRL_MODES, VOCAB, StepTimes, bench_model, peak_rss_gib, word_tokenizer
+from qwen3_bench import TRL_MODES, StepTimes, bench_model, peak_rss_gib, vocab, word_tokenizer
 from trl import SFTConfig, SFTTrainer
 
 
-def main(steps: int, rows: int, width: int, mode: str) -> None:
-    model, tokenizer = bench_model(width), word_tokenizer()
-    ids = np.random.default_rng(0).integers(2, VOCAB, (rows, width)).tolist()
+def main(steps: int, rows: int, width: int, mode: str, shape: str = "bench") -> None:
+    model, tokenizer = bench_model(width, shape=shape), word_tokenizer(shape)
+    ids = np.random.default_rng(0).integers(2, vocab(shape), (rows, width)).tolist()
     timer = StepTimes()
     with tempfile.TemporaryDirectory() as out:
         args = SFTConfig(output_dir=out, per_device_train_batch_size=rows, max_steps=steps, learning_rate=1e-4,
@@ -39,4 +39,4 @@ def main(steps: int, rows: int, width: int, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])

@@ -28,6 +28,7 @@ from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from dew.hugepages import hugepage_environment
 from dew.recipes.rlvr_recipe import CONTAINER_IMAGE, sandbox_runner
 from dew.sandbox import BwrapRunner, ContainerRunner, Program, SandboxLimits, Verdict
 from dew_ray.placement import alive_nodes
@@ -156,7 +157,10 @@ def start_ray(address: str | None, run_dir: Path, cpus_reserved: float) -> None:
     # A local cluster gets as many logical CPUs as the run reserves (at least the machine's cores):
     # they are scheduling tokens, and the roles share the cores as any processes do.
     cpus = None if address else max(os.cpu_count() or 1, math.ceil(cpus_reserved))
-    runtime_env = None if address else {"excludes": _excludes(run_dir)}
+    # The local cluster's workers (trainers, rollout servers) start with glibc's huge pages for malloc
+    # (dew.hugepages: XLA's per-step allocations otherwise fault in 4 KB at a time); on a cluster one
+    # attaches to, its `ray start` environment decides (cluster_configs/ray-cluster.yaml sets it).
+    runtime_env = None if address else {"excludes": _excludes(run_dir), "env_vars": hugepage_environment()}
     ray.init(address=address, num_cpus=cpus, include_dashboard=False if address is None else None,
              log_to_driver=False, configure_logging=False, runtime_env=runtime_env)
 
