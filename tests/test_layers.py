@@ -13,7 +13,7 @@ from conftest import ROOT
 
 # Bottom to top; a room may import rooms of its own layer or of a lower one.
 LAYERS = [
-    ["dew.validation", "dew.config"],
+    ["dew.validation", "dew.config", "dew.hugepages"],
     ["dew.experiment_trackers", "dew.tracking", "dew.models", "dew.sampling", "dew.data", "dew.parallelism",
      "dew.sharding", "dew.checkpoint", "dew.optimizers", "dew"],
     ["dew.losses"],  # pure math
