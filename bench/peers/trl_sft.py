@@ -1,8 +1,8 @@
 """Peer for bench/sft_step.py: TRL's SFTTrainer on the same model and batch (run in .venv-ref).
 
 A Qwen3-shaped decoder of the shape named last (bench/shapes.py; the 12.6M-parameter bench decoder by default),
-randomly initialised; the rows of token ids bench/sft_step.py gives, given already tokenized (an ``input_ids`` column, so TRL runs no
-tokenizer), AdamW, 2 threads. ``mode`` picks TRL's configuration:
+randomly initialised; the rows of token ids bench/sft_step.py gives, already tokenized (an ``input_ids``
+column, so TRL runs no tokenizer), AdamW, 2 threads. ``mode`` picks TRL's configuration:
 
 - ``float32``: ``bf16=False, gradient_checkpointing=False``, the like-for-like peer;
 - ``defaults``: SFTConfig as TRL 1.16 ships it (``bf16=True``, CPU autocast, and gradient
