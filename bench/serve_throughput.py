@@ -43,9 +43,11 @@ averaged over the steps) divided by the step time, set against this machine's me
 copy bandwidth.
 
     uv run python bench/serve_throughput.py [--rounds 2] [--shape bench|qwen3-0.6b]
+        [--precisions float32 bfloat16]
 
 Prints a table and writes bench/results/serve_throughput.{json,png} (the 0.6B shape:
-serve_throughput_qwen3-0.6b.{json,png}).
+serve_throughput_qwen3-0.6b.{json,png}). A run of some precisions keeps the other precisions'
+rows of the results file as they were, and the file says which run each precision's rows came from.
 """
 
 from __future__ import annotations
@@ -242,8 +244,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="bench")
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     args = parser.parse_args()
     shape = SHAPES[args.shape]
+    chosen_precisions = {p: d for p, d in PRECISIONS.items() if p in args.precisions}
     model = models.build("causal_transformer", max_seq_len=shape.capacity, **shape.model)
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     parameters = sum(x.size for x in jax.tree.leaves(variables))
@@ -261,12 +265,12 @@ def main() -> None:
                       and k.split("/")[0] in shape.transformers_workloads}
             peer_files[precision] = Path(scratch) / f"workloads-{precision}.json"
             peer_files[precision].write_text(json.dumps(chosen))
-        for precision, dtype in PRECISIONS.items():  # compile every shape before timing
+        for precision, dtype in chosen_precisions.items():  # compile every shape before timing
             for key, work in workloads.items():
                 for lanes in shape.lanes.get(work["concurrency"], (1,)):
                     if runs(shape, precision, key):
                         dew_round(model, variables, work, dtype, shape.capacity, lanes)
-        for precision, dtype in PRECISIONS.items():
+        for precision, dtype in chosen_precisions.items():
             engine = None
             if engine_python("vllm") is not None:
                 engine = VLLMEngine(scratch, name="bench", dtype=precision, max_model_len=shape.capacity,
@@ -316,7 +320,7 @@ def main() -> None:
           f"{'dew/vLLM':>8} {'HF tok/s':>9} {'dew/HF':>7} {'step ms':>8} {'read GB/s':>10} {'of copy':>8}")
     summary = {}
     head = model.head_size * model.kv_heads * model.num_layers
-    for precision in PRECISIONS:
+    for precision in chosen_precisions:
         by = rates[precision]
         for key, work in workloads.items():
             if not runs(shape, precision, key):
@@ -343,9 +347,20 @@ def main() -> None:
         print(f"dew at 1 request, bfloat16: {one:.1f} tokens/s, {one / bound:.0%} of the bound")
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    (results / f"serve_throughput{shape.suffix}.json").write_text(json.dumps(
+    path = results / f"serve_throughput{shape.suffix}.json"
+    run = {"date": time.strftime("%Y-%m-%d"), "copy_gbps": bandwidth, "bound_tokens_per_second": bound}
+    runs_by_precision = {p: run for p in chosen_precisions}
+    if len(chosen_precisions) < len(PRECISIONS) and path.exists():  # keep the other precisions' rows
+        earlier = json.loads(path.read_text())
+        for p in PRECISIONS:
+            if p not in chosen_precisions:
+                rates[p] = earlier["rates"][p]
+                summary.update({k: v for k, v in earlier["summary"].items() if k.startswith(p + "/")})
+                runs_by_precision[p] = earlier.get("runs", {}).get(p, {
+                    "copy_gbps": earlier["copy_gbps"], "bound_tokens_per_second": earlier["bound_tokens_per_second"]})
+    path.write_text(json.dumps(
         {"shape": shape.label, "parameters": parameters, "rates": rates, "summary": summary, "copy_gbps": bandwidth,
-         "bound_tokens_per_second": bound, "transformers": version}, indent=2))
+         "bound_tokens_per_second": bound, "transformers": version, "runs": runs_by_precision}, indent=2))
     plot(summary, list(workloads), shape.label, version, results / f"serve_throughput{shape.suffix}.png")
     print(f"wrote {results / f'serve_throughput{shape.suffix}.json'} and {results / f'serve_throughput{shape.suffix}.png'}")
 

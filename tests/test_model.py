@@ -237,7 +237,8 @@ def test_a_bfloat16_weight_product_differentiates_like_the_plain_product_of_bflo
 def test_bfloat16_compute_takes_bfloat16_operands_in_the_backward_pass_too():
     model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1, num_heads=2,
                          mlp_features=32, max_seq_len=8, matmul_dtype=jnp.bfloat16)
-    tokens = jnp.zeros((1, 8), jnp.int32)
+    # 40 rows: more than dew's CPU kernel takes (native_product), so every forward product is XLA's dot here
+    tokens = jnp.zeros((5, 8), jnp.int32)
     variables = model.init(jax.random.key(0), tokens)
     grads = jax.grad(lambda v: model.apply(v, tokens).sum())
 

@@ -4,9 +4,10 @@ A decode step multiplies a handful of rows by every weight of the model, so its 
 the time to read the weights. XLA's CPU dot reads bfloat16 weights at about 15 GB/s at
 2 to 8 rows and converts every weight to float32 first at 1 row (8 to 10 times slower),
 so serving a 0.6B model in bfloat16 was no faster than in float32. ``native_product.cc``
-streams the weights once, widening each to float32 and multiplying it into every row:
-about 22 GB/s in a 0.6B decode step on this machine's 2 cores, whose plain streaming read
-reaches 29 GB/s (README, Benchmarks).
+reads the weights once for all the rows: on CPUs with AVX512-BF16 it multiplies bfloat16
+pairs (``vdpbf16ps``) for up to 32 rows, elsewhere it widens each weight to float32 for up
+to 2 rows. The weight products of a 0.6B decode step at 1 row read 31 GB/s on this
+machine's 2 cores, whose plain streaming read reaches 29 to 33 GB/s (README, Benchmarks).
 
 The kernel is compiled with the machine's C++ compiler (``$CXX`` or ``c++``, with
 ``-march=native``) against the FFI headers jaxlib ships, the first time a process needs
@@ -40,10 +41,13 @@ import jaxlib
 
 SOURCE = Path(__file__).with_name("native_product.cc")
 TARGET = "dew_bf16_product"
-# Rows up to which the kernel serves, as measured on this machine: at 1 and 2 rows it beats XLA's dot at
-# both bench shapes (0.6B: 14.6 against 7.6 tokens/s at one request; 12.6M: 433 against 366); at 4 rows
-# it won at 0.6B (42 against 36) but lost at 12.6M (1,100 against 1,230), at 8 rows it lost at 0.6B.
-IN_OUT_ROWS = OUT_IN_ROWS = 2
+# Rows up to which the kernel serves, as measured on this machine (a decode step's 197 weight products at
+# Qwen3-0.6B's shape, and the 12.6M bench decoder's, in one program): the paired build beats XLA's dot at
+# every row count from 1 to 32 at both shapes (0.6B: 38 against 203 ms at 1 row, 76 against 112 at 8, 161
+# against 197 at 32); the widening build wins at 1 and 2 rows only (at 4 it lost at 12.6M, at 8 at 0.6B).
+# Prefill's packed rows (up to 256) stay with XLA's dot.
+PAIRED_ROWS = 32
+WIDENED_ROWS = 2
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -99,6 +103,7 @@ def _load() -> None:
         _state["reason"] = f"the kernel did not build or load: {error}"
         return
     _state["library"] = library
+    _state["rows"] = PAIRED_ROWS if library.DewPairedProducts() else WIDENED_ROWS
 
 
 def available() -> bool:
@@ -118,9 +123,15 @@ def reason() -> str | None:
     return _state.get("reason")
 
 
-def applies(rows: int, out_in: bool) -> bool:
-    """Whether a product of ``rows`` rows with a weight in that layout goes to the kernel."""
-    return rows <= (OUT_IN_ROWS if out_in else IN_OUT_ROWS) and available()
+def max_rows() -> int:
+    """The most rows a product may have to go to the kernel: 32 where it multiplies bfloat16 pairs, else 2
+    (0 where the kernel is off)."""
+    return _state.get("rows", 0) if available() else 0
+
+
+def applies(rows: int) -> bool:
+    """Whether a product of ``rows`` rows (with a weight in either layout) goes to the kernel."""
+    return rows <= max_rows()
 
 
 def product(x: jax.Array, weight: jax.Array, out_in: bool) -> jax.Array:

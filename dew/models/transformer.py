@@ -199,7 +199,7 @@ def _contract(lhs, rhs, contracting):
 def _forward_product(x, weight, weight_axis: int):
     """The forward weight product; a decode step's few bfloat16 rows go to dew's CPU kernel (native_product)."""
     rows = math.prod(x.shape[:-1])
-    if x.dtype == weight.dtype == jnp.bfloat16 and native_product.applies(rows, out_in=weight_axis == 1):
+    if x.dtype == weight.dtype == jnp.bfloat16 and native_product.applies(rows):
         return native_product.product(x, weight, out_in=weight_axis == 1)
     return _contract(x, weight, ((x.ndim - 1,), (weight_axis,)))
 
