@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <cstdlib>
@@ -281,7 +282,7 @@ void OutIn(const float* x, const uint16_t* w, float* y, int64_t rows, int64_t K,
 
 // Helper threads that share a product's columns with its caller. XLA's intra-op pool wakes its
 // threads too late for a product of a few hundred microseconds (a decode step runs one after the
-// other), so the helpers spin for a while after each product before they sleep. A product that
+// other), so the helpers wait for the next product awake for a while before they sleep. A product that
 // finds the helpers taken by another (two lanes decoding at once) runs on its caller alone.
 struct Job {
   std::function<void(int64_t)> run;  // one part of the columns
@@ -337,9 +338,14 @@ class Helpers {
     uint64_t seen = 0;
     for (;;) {
       uint64_t now;
+      const auto idle = std::chrono::steady_clock::now();
+      std::chrono::steady_clock::duration waited{};
       for (int64_t spins = 0; (now = generation_.load(std::memory_order_acquire)) == seen; ++spins) {
-        if (spins < kSpins)
+        if (spins % 16 == 0) waited = std::chrono::steady_clock::now() - idle;
+        if (waited < kPause)
           Pause();
+        else if (waited < kYield)
+          sched_yield();
         else
           generation_.wait(seen, std::memory_order_acquire);
       }
@@ -359,7 +365,10 @@ class Helpers {
 #endif
   }
 
-  static constexpr int64_t kSpins = 200000;  // about 2-5 ms of spinning before the helper sleeps
+  // A helper spins with pause for 50 us after a product, then yields its core (XLA's own threads run the
+  // operations between products on these cores: a helper that kept spinning slowed them) for 3 ms, then sleeps.
+  static constexpr auto kPause = std::chrono::microseconds(50);
+  static constexpr auto kYield = std::chrono::microseconds(3000);
   int count_ = 0;
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> taken_{false};
