@@ -133,7 +133,6 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> Sample:
     instead of one per vocabulary entry), which is most of a decode step's sampling cost.
     """
     logits = logits.astype(jnp.float32)
-    raw = jax.nn.log_softmax(logits, axis=-1)
     support = None
     if sampling.greedy:
         ids = jnp.argmax(logits, axis=-1)
@@ -148,8 +147,16 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> Sample:
         filtered, _ = filtered_logits(logits, sampling)
         ids = jax.random.categorical(key, filtered, axis=-1)
         behavior = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), ids[:, None], axis=-1)[:, 0]
-    old = jnp.take_along_axis(raw, ids[:, None], axis=-1)[:, 0]
-    return Sample(ids.astype(jnp.int32), old, behavior, support)
+    return Sample(ids.astype(jnp.int32), log_softmax_at(logits, ids), behavior, support)
+
+
+def log_softmax_at(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """``log_softmax(logits)[row, ids[row]]`` for logits [rows, vocab], in the same operations as
+    ``jax.nn.log_softmax`` but without its [rows, vocab] result: XLA's CPU fusion of the max and the
+    shift wrote that array on one thread (11 ms of a 32-row decode step at a 152k vocabulary)."""
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    normalizer = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+    return (jnp.take_along_axis(logits, ids[:, None], axis=-1) - top)[:, 0] - normalizer
 
 
 def controls(sampling: Sampling) -> tuple[float, float, float, float]:

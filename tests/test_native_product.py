@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.models import native_product
+from dew.models import native, native_product
 from dew.models.transformer import weight_product
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not native_product.available():
-        pytest.fail(f"the kernel is off on a machine with a compiler: {native_product.reason()}")
+    if not native.available():
+        pytest.fail(f"the kernels are off on a machine with a compiler: {native.reason()}")
 
 
 def xla(x, weight, out_in):
@@ -106,9 +106,9 @@ def test_bad_operands_are_refused_by_name():
 def run_without_kernel(tmp_path, **env):
     script = (
         "import jax, jax.numpy as jnp\n"
-        "from dew.models import native_product\n"
+        "from dew.models import native, native_product\n"
         "x = jnp.ones((2, 32), jnp.bfloat16); w = jnp.ones((32, 8), jnp.bfloat16)\n"
-        "print(native_product.available(), native_product.reason(), float(native_product.product(x, w, False)[0, 0]))\n"
+        "print(native.available(), native.reason(), float(native_product.product(x, w, False)[0, 0]))\n"
     )
     environment = {**os.environ, "DEW_NATIVE_HOME": str(tmp_path), **env}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, check=True)
@@ -117,8 +117,8 @@ def run_without_kernel(tmp_path, **env):
 
 def test_a_failed_build_says_why_and_leaves_the_products_to_xla(tmp_path):
     out, err = run_without_kernel(tmp_path, CXX="/bin/false")
-    assert out.startswith("False the kernel did not build or load: /bin/false failed (1)") and out.endswith(" 32.0")
-    assert "XLA's dot serves instead" in err
+    assert out.startswith("False the kernels did not build or load: /bin/false failed (1)") and out.endswith(" 32.0")
+    assert "XLA's operations serve instead" in err
 
 
 def test_dew_native_0_turns_it_off(tmp_path):

@@ -9,37 +9,18 @@ pairs (``vdpbf16ps``) for up to 32 rows, elsewhere it widens each weight to floa
 to 2 rows. The weight products of a 0.6B decode step at 1 row read 31 GB/s on this
 machine's 2 cores, whose plain streaming read reaches 29 to 33 GB/s (README, Benchmarks).
 
-The kernel is compiled with the machine's C++ compiler (``$CXX`` or ``c++``, with
-``-march=native``) against the FFI headers jaxlib ships, the first time a process needs
-it, into ``$DEW_NATIVE_HOME`` or ``~/.cache/dew-ray/native`` under a name that hashes the
-source, jaxlib's version, the compiler and the CPU's flags (a shared home on machines of
-different CPUs gets one build per CPU). Where there is no compiler or the build fails,
-:func:`available` is False, :func:`reason` says why, and the products stay XLA's (the
-same results up to the order of the sums). ``DEW_NATIVE=0`` turns the kernel off;
-``DEW_NATIVE_THREADS`` sets how many threads share a product (by default the CPUs the
-process may run on).
-
-The kernel serves only the CPU: on a GPU, :func:`product` lowers to XLA's dot.
+It lives in dew's native library (:mod:`dew.models.native`: how it is built, where, and
+how to turn it off); where the library is off, the products stay XLA's (the same results up
+to the order of the sums). On a GPU, :func:`product` lowers to XLA's dot.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
-import jaxlib
 
-SOURCE = Path(__file__).with_name("native_product.cc")
+from dew.models import native
+
 TARGET = "dew_bf16_product"
 # Rows up to which the kernel serves, as measured on this machine (a decode step's 197 weight products at
 # Qwen3-0.6B's shape, and the 12.6M bench decoder's, in one program): the paired build beats XLA's dot at
@@ -49,84 +30,13 @@ TARGET = "dew_bf16_product"
 PAIRED_ROWS = 32
 WIDENED_ROWS = 2
 
-log = logging.getLogger(__name__)
-_lock = threading.Lock()
-_state: dict = {}
-
-
-def home() -> Path:
-    return Path(os.environ.get("DEW_NATIVE_HOME") or Path.home() / ".cache" / "dew-ray" / "native")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    """The kernel's shared library for this source, jaxlib, compiler and CPU, compiled if not there yet."""
-    flags = ["-O3", "-march=native", "-std=c++20", "-pthread", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
-    digest = hashlib.sha256("\0".join(
-        [SOURCE.read_text(), jaxlib.__version__, compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
-    library = home() / f"native_product-{digest}.so"
-    if library.exists():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside its final name and renamed, so a process never loads another's half-written file.
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        built = Path(scratch) / library.name
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode:
-            raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-        os.replace(built, library)
-    return library
-
-
-def _load() -> None:
-    if os.environ.get("DEW_NATIVE", "1") == "0":
-        _state["reason"] = "DEW_NATIVE=0"
-        return
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        _state["reason"] = "no C++ compiler (c++, g++ or clang++; or $CXX) on the PATH"
-        return
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.DewBf16Product), platform="cpu")
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        _state["reason"] = f"the kernel did not build or load: {error}"
-        return
-    _state["library"] = library
-    _state["rows"] = PAIRED_ROWS if library.DewPairedProducts() else WIDENED_ROWS
-
-
-def available() -> bool:
-    """Whether the kernel is built and registered (building it on the first call)."""
-    with _lock:
-        if not _state:
-            _load()
-            if "reason" in _state:
-                log.warning("dew's bfloat16 weight-product kernel is off (%s); XLA's dot serves instead",
-                            _state["reason"])
-    return "library" in _state
-
-
-def reason() -> str | None:
-    """Why the kernel is off, or None when it is on."""
-    available()
-    return _state.get("reason")
-
 
 def max_rows() -> int:
     """The most rows a product may have to go to the kernel: 32 where it multiplies bfloat16 pairs, else 2
     (0 where the kernel is off)."""
-    return _state.get("rows", 0) if available() else 0
+    if not native.available():
+        return 0
+    return PAIRED_ROWS if native.paired_products() else WIDENED_ROWS
 
 
 def applies(rows: int) -> bool:
@@ -152,10 +62,10 @@ def product(x: jax.Array, weight: jax.Array, out_in: bool) -> jax.Array:
         return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (axis,)), ((), ())),
                                    preferred_element_type=jnp.float32)
 
-    def native(x, weight):
+    def kernel(x, weight):
         result = jax.ShapeDtypeStruct((*x.shape[:-1], features), jnp.float32)
         return jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")(x, weight, out_in=out_in)
 
-    if not available():
+    if not native.available():
         return xla(x, weight)
-    return jax.lax.platform_dependent(x, weight, cpu=native, default=xla)
+    return jax.lax.platform_dependent(x, weight, cpu=kernel, default=xla)

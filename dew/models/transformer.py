@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dew.models import native_product
+from dew.models.native_attention import decode_attention
 from dew.parallelism import constrain_rows
 
 MLP_ACTIVATIONS = ("swiglu", "gelu")
@@ -292,11 +293,9 @@ class Attention(nn.Module):
         if write is not None:  # stored in the cache; decoding attends over the cache blocks given (their layout)
             k, v, key_spec, value_spec = write(k, v)
         if length == 1 and key_spec == "bkds":
-            # A decode step as the plain batched product [B, K, G, D] @ [B, K, D, S] (per block): XLA's
-            # CPU dot runs several times faster than when it has to transpose an operand.
-            scores = jnp.concatenate([
-                jnp.matmul(q[:, 0], block.astype(q.dtype), preferred_element_type=jnp.float32) for block in _blocks(k)
-            ], axis=-1)[:, :, None]
+            # A decode step: the mask is each row's prefix of the cache (its positions so far).
+            counts = mask[:, 0].sum(-1, dtype=jnp.int32)
+            out = decode_attention(q[:, 0], _blocks(k), _blocks(v), counts, self.dtype)[:, None]
         else:
             if isinstance(k, tuple):  # a prefill that reads a blocked cache
                 k, v = jnp.concatenate(k, axis=-1), jnp.concatenate(v, axis=-2)
@@ -304,17 +303,9 @@ class Attention(nn.Module):
             # G x D values, where [B, K, G, T, S] would transpose single values (several times slower
             # in XLA's CPU loops, forward and backward).
             scores = jnp.einsum(f"btkgd,{key_spec}->bktgs", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
-        scores = jnp.where(mask[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        if length == 1 and value_spec == "bksd":
-            out, start = 0, 0
-            for block in _blocks(v):
-                size = block.shape[2]
-                out = out + jnp.matmul(weights[:, :, 0, :, start:start + size], block.astype(self.dtype))
-                start += size
-            out = out[:, None]
-        else:
+            scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
+            scores = jnp.where(mask[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
+            weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
             out = jnp.einsum(f"bktgs,{value_spec}->btkgd", weights, v.astype(self.dtype))
         out = out.reshape(batch, length, self.num_heads * self.head_dim)
         return dense(x.shape[-1], "o_proj", False)(out)
