@@ -1,5 +1,5 @@
 // bfloat16 weight products for few rows on the CPU: y [M, N] float32 = x [M, K] bfloat16 times a
-// bfloat16 weight, as an XLA FFI handler (see native_product.py, which builds and registers it).
+// bfloat16 weight, as an XLA FFI handler (see native_product.py; native.py builds and registers it).
 //
 // Why: XLA's CPU dot reads bfloat16 weights at about 15 GB/s when a decode step has a handful of
 // rows (and converts every weight to float32 for a single row), while such a product is a stream
@@ -13,17 +13,10 @@
 // rows, out_in by output rows, so each thread reads one contiguous stretch of the weight.
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <thread>
-
-#include <sched.h>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -45,6 +38,18 @@ inline float widen(uint16_t v) {
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
+}
+
+// y[m, n] = sum over k in [k0, k1) of x[m, k] w[k, n] for the columns [n0, n1), one by one (the columns
+// past the vector kernels' last whole step).
+void InOutColumns(const uint16_t* x, const uint16_t* w, float* y, int64_t rows, int64_t K, int64_t N, int64_t k0,
+                  int64_t k1, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < rows; ++m) {
+      float acc = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) acc += widen(x[m * K + k]) * widen(w[k * N + n]);
+      y[m * N + n] = acc;
+    }
 }
 
 constexpr int64_t kRowsPerPass = 8;  // rows of x multiplied into each weight read (registers)
@@ -116,7 +121,7 @@ inline __m512bh Pair(const uint32_t* xpairs, int64_t p) {
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(xpairs[p]));
 }
 
-// y[m, n0..n0 + 16 * V) = (q0 < p0 ? y : 0) + sum over pairs [p0, p0 + depth) of x pair . weight pair.
+// y[m, c..c + 16 * V) = (first ? 0 : y) + sum over pairs [p0, p0 + depth) of x pair . weight pair.
 template <int V>
 inline void StreamStep(const uint32_t* xpairs, const uint16_t* w, float* y, int64_t rows, int64_t K, int64_t N,
                        int64_t p0, int depth, bool first, int64_t c) {
@@ -151,12 +156,7 @@ void InOutStream(const uint16_t* x, const uint16_t* w, float* y, int64_t rows, i
     for (; c < wide; c += 16 * kWide) StreamStep<kWide>(xpairs, w, y, rows, K, N, p0, depth, p0 == q0, c);
     for (; c < width; c += 16) StreamStep<1>(xpairs, w, y, rows, K, N, p0, depth, p0 == q0, c);
   }
-  for (int64_t n = width; n < N; ++n)
-    for (int64_t m = 0; m < rows; ++m) {
-      float acc = 0.0f;
-      for (int64_t k = 2 * q0; k < 2 * q1; ++k) acc += widen(x[m * K + k]) * widen(w[k * N + n]);
-      y[m * N + n] = acc;
-    }
+  InOutColumns(x, w, y, rows, K, N, 2 * q0, 2 * q1, width, N);
 }
 
 // Panel: y[m, tile] (+)= sum over pairs p of x[m, 2p..2p+1] . panel[p] for MB rows of one 64-column tile.
@@ -205,12 +205,7 @@ void InOutPanel(const uint16_t* x, const uint16_t* w, float* y, int64_t rows, in
         }
     }
   }
-  for (int64_t n = n0 + width; n < n1; ++n)
-    for (int64_t m = 0; m < rows; ++m) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc += widen(x[m * K + k]) * widen(w[k * N + n]);
-      y[m * N + n] = acc;
-    }
+  InOutColumns(x, w, y, rows, K, N, 0, K, n0 + width, n1);
 }
 
 // out_in for the output rows [n0, n1) (K a multiple of 32): y[m, n] = dot(x[m, :], w[n, :]), R weight rows at a
@@ -284,6 +279,24 @@ void OutIn(const float* x, const uint16_t* w, float* y, int64_t rows, int64_t K,
   }
 }
 
+// Runs run(begin, end, out) on the caller and the helpers over spans of [0, split), each a multiple of 64. With
+// partial, the spans are weight rows: every thread but the caller sums into an M x N buffer of its own, added into
+// y at the end, so each reads one contiguous stretch of the weight; without, the spans are columns of y.
+void Split(int64_t split, bool partial, int64_t M, int64_t N, float* y,
+           const std::function<void(int64_t, int64_t, float*)>& run) {
+  Helpers& helpers = Helpers::Get();
+  auto job = std::make_shared<Job>();
+  job->parts = std::max<int64_t>(1, std::min<int64_t>(helpers.threads(), split / 64));
+  const int64_t span = ((split + job->parts - 1) / job->parts + 63) / 64 * 64;
+  std::vector<float> sums(partial ? (job->parts - 1) * M * N : 0);
+  job->run = [&, scratch = sums.data()](int64_t part) {
+    const int64_t begin = std::min(split, part * span), end = std::min(split, begin + span);
+    run(begin, end, partial && part ? scratch + (part - 1) * M * N : y);
+  };
+  helpers.Run(job);
+  for (int64_t i = 0; i < static_cast<int64_t>(sums.size()); ++i) y[i % (M * N)] += sums[i];
+}
+
 ffi::Error Product(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y, bool out_in) {
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 ||
       y->element_type() != ffi::DataType::F32)
@@ -298,58 +311,35 @@ ffi::Error Product(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffe
   const auto* xs = reinterpret_cast<const uint16_t*>(x.untyped_data());
   const auto* ws = reinterpret_cast<const uint16_t*>(w.untyped_data());
   auto* ys = reinterpret_cast<float*>(y->untyped_data());
-  Helpers& helpers = Helpers::Get();
-  auto job = std::make_shared<Job>();
 #if defined(__AVX512BF16__)
-  // Paired products. Stream: every thread sums a span of weight-row pairs into a buffer of its own (the
-  // caller's into y), added up at the end, so each reads one contiguous stretch of the weight. Panel and
-  // out_in: every thread takes a span of output columns (out_in: output rows), a multiple of 64.
+  // Paired products: the stream kernel splits the weight-row pairs, the panel and out_in kernels the output
+  // columns (out_in: output rows).
   if (K > 0 && (out_in ? K % 32 == 0 : K % 2 == 0)) {
     const bool stream = !out_in && M <= kStreamRows;
-    const int64_t split = stream ? K / 2 : N;
-    job->parts = std::max<int64_t>(1, std::min<int64_t>(helpers.threads(), split / 64));
-    const int64_t span = ((split + job->parts - 1) / job->parts + 63) / 64 * 64;
-    std::vector<float> partial(stream ? (job->parts - 1) * M * N : 0);
-    job->run = [=, scratch = partial.data()](int64_t part) {
-      const int64_t begin = std::min(split, part * span), end = std::min(split, begin + span);
+    Split(stream ? K / 2 : N, stream, M, N, ys, [&](int64_t begin, int64_t end, float* out) {
       if (out_in)
-        OutInPairs(xs, ws, ys, M, K, N, begin, end);
+        OutInPairs(xs, ws, out, M, K, N, begin, end);
       else if (stream)
-        InOutStream(xs, ws, part ? scratch + (part - 1) * M * N : ys, M, K, N, begin, end);
+        InOutStream(xs, ws, out, M, K, N, begin, end);
       else
-        InOutPanel(xs, ws, ys, M, K, N, begin, end);
-    };
-    helpers.Run(job);
-    for (int64_t part = 1; part < job->parts && stream; ++part)
-      for (int64_t i = 0; i < M * N; ++i) ys[i] += partial[(part - 1) * M * N + i];
+        InOutPanel(xs, ws, out, M, K, N, begin, end);
+    });
     return ffi::Error::Success();
   }
 #endif
   std::vector<float> xf(M * K);  // x widened once
   for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(xs[i]);
-
-  // out_in: one span of output rows (a multiple of 64) per thread. in_out: one span of weight rows
-  // per thread, each summed into its own buffer (the caller's into y), added up at the end: every
-  // thread reads one contiguous stretch of the weight.
-  const int64_t split = out_in ? N : K;
-  job->parts = std::max<int64_t>(1, std::min<int64_t>(helpers.threads(), split / 64));
-  const int64_t span = ((split + job->parts - 1) / job->parts + 63) / 64 * 64;
-  std::vector<float> partial(out_in ? 0 : (job->parts - 1) * M * N);
-  job->run = [=, xp = xf.data(), scratch = partial.data()](int64_t part) {
-    const int64_t begin = std::min(split, part * span), end = std::min(split, begin + span);
+  Split(out_in ? N : K, !out_in, M, N, ys, [&](int64_t begin, int64_t end, float* out) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
       const int64_t rows = std::min(kRowsPerPass, M - m0);
       if (out_in && rows <= 2)
-        OutIn<8>(xp + m0 * K, ws, ys + m0 * N, rows, K, N, begin, end);
+        OutIn<8>(xf.data() + m0 * K, ws, out + m0 * N, rows, K, N, begin, end);
       else if (out_in)
-        OutIn<4>(xp + m0 * K, ws, ys + m0 * N, rows, K, N, begin, end);
+        OutIn<4>(xf.data() + m0 * K, ws, out + m0 * N, rows, K, N, begin, end);
       else
-        InOut(xp + m0 * K, ws, (part ? scratch + (part - 1) * M * N : ys) + m0 * N, rows, K, N, begin, end);
+        InOut(xf.data() + m0 * K, ws, out + m0 * N, rows, K, N, begin, end);
     }
-  };
-  helpers.Run(job);
-  for (int64_t part = 1; part < job->parts && !out_in; ++part)
-    for (int64_t i = 0; i < M * N; ++i) ys[i] += partial[(part - 1) * M * N + i];
+  });
   return ffi::Error::Success();
 }
 

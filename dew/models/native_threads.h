@@ -16,12 +16,12 @@
 
 namespace dew_native {
 
-// Helper threads that share a kernel's parts with its caller. XLA's intra-op pool wakes its
-// threads too late for a product of a few hundred microseconds (a decode step runs one after the
-// other), so the helpers wait for the next product awake for a while before they sleep. A product that
+// Helper threads that share a kernel call's parts with its caller. XLA's intra-op pool wakes its
+// threads too late for a call of a few hundred microseconds (a decode step runs one after the
+// other), so the helpers wait for the next call awake for a while before they sleep. A call that
 // finds the helpers taken by another (two lanes decoding at once) runs on its caller alone.
 struct Job {
-  std::function<void(int64_t)> run;  // one part of the columns
+  std::function<void(int64_t)> run;  // one part of the work
   int64_t parts = 0;
   std::atomic<int64_t> next{0}, done{0};
 
@@ -101,8 +101,8 @@ class Helpers {
 #endif
   }
 
-  // A helper spins with pause for 50 us after a product, then yields its core (XLA's own threads run the
-  // operations between products on these cores: a helper that kept spinning slowed them) for 3 ms, then sleeps.
+  // A helper spins with pause for 50 us after a call, then yields its core (XLA's own threads run the
+  // operations between kernel calls on these cores: a helper that kept spinning slowed them) for 3 ms, then sleeps.
   static constexpr auto kPause = std::chrono::microseconds(50);
   static constexpr auto kYield = std::chrono::microseconds(3000);
   int count_ = 0;
