@@ -416,21 +416,28 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
             lines: list[str] = []
             reader = threading.Thread(target=lambda: lines.extend(driver.stdout), daemon=True)
             reader.start()
+            # The driver's kill is watched for on a thread of its own: an injection can block for a while (a stall
+            # past the timeout lasts 2.5 to 4 times it, a node joins within minutes), and a run that reached its
+            # last updates meanwhile would finish without the kill.
+            killed: list[int] = []
+            killer = threading.Thread(target=_kill_after, args=(driver, run_dir, kill_after, killed), daemon=True)
+            if not driver_killed:
+                killer.start()
             next_fault = time.monotonic() + rng.uniform(0.5, 2) * every
             started = _updates(run_dir)  # faults start once this driver trains: its start (actors, restore) is spared
-            while driver.poll() is None and time.monotonic() < deadline:
+            while driver.poll() is None and time.monotonic() < deadline and not killed:
                 done = _updates(run_dir)
-                if not driver_killed and done >= kill_after:
-                    driver.send_signal(signal.SIGKILL)
-                    driver_killed = True
-                    injector.faults["SIGKILL driver"] += 1
-                    injector.log.append({"time": time.time(), "fault": "SIGKILL driver", "after_update": done})
-                    break
                 if time.monotonic() >= next_fault and done > started:
                     if injector.inject(scripted[0] if scripted else None) and scripted:
                         scripted.pop(0)
                     next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * every
                 time.sleep(0.1)
+            if killer.is_alive() and driver.poll() is not None:
+                killer.join()
+            if killed:
+                driver_killed = True
+                injector.faults["SIGKILL driver"] += 1
+                injector.log.append({"time": time.time(), "fault": "SIGKILL driver", "after_update": killed[0]})
             driver.wait(timeout=120) if driver.poll() is None and driver_killed else None
             if driver.poll() is None:
                 driver.kill()
@@ -460,6 +467,17 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
             "invariants": invariants,
             "log": injector.log,
             "last_output": outputs[-1][-3000:] if outputs else ""}
+
+
+def _kill_after(driver: subprocess.Popen, run_dir: Path, after: int, killed: list[int]) -> None:
+    """SIGKILL ``driver`` once the run directory holds ``after`` updates; ``killed`` gets the count it saw."""
+    while driver.poll() is None:
+        done = _updates(run_dir)
+        if done >= after:
+            driver.send_signal(signal.SIGKILL)
+            killed.append(done)
+            return
+        time.sleep(0.1)
 
 
 def _updates(run_dir: Path) -> int:

@@ -10,9 +10,9 @@ pipeline change it by hand, within the bounds, and so do requests from outside t
 fleet RUN_DIR --add N``, a command-line driver's only way in): :func:`ask` queues a
 :class:`FleetRequest` as a file in the run directory's ``fleet-requests/``, and the driver
 applies queued requests, in the order asked, before its next update
-(:meth:`RLVRFleet.serve_requests`); a request that cannot be met (past a bound, no room, a
-malformed file) is refused at once, and either way its outcome is a ``fleet.jsonl`` line carrying its
-id. A removal takes the newest servers that still live and leaves at least ``servers_min``
+(:meth:`RLVRFleet.serve_requests`); a request that cannot be met (past a bound, no room within
+``ROOM_WAIT`` seconds, a malformed file) is refused, and either way its outcome is a ``fleet.jsonl``
+line carrying its id. A removal takes the newest servers that still live and leaves at least ``servers_min``
 live ones (a server Ray reports dead is neither taken nor counted). A server added mid-run starts stale: it refuses
 draws until a trainer's pool has loaded it with the newest weights that pool published, then
 takes its share (:meth:`~dew_ray.pipelines.rlvr_actors.RLVRActors.add_servers`). A removed one
@@ -41,6 +41,9 @@ from dew_ray.placement import alive_nodes
 
 GROW_WAIT = 5.0  # seconds a growth waits for its bundle once the free resources say it fits
 REQUESTS = "fleet-requests"  # the run directory's folder of fleet changes asked from outside the driver
+# seconds an asked-for addition waits for room before it is refused: Ray's view of the free resources trails a removal
+# (the server's end, its placement group's release) by seconds on a loaded machine
+ROOM_WAIT = 15.0
 LIVE_WAIT = 5.0  # seconds a removal waits for a server's answer before counting a silent one as live
 
 
@@ -108,15 +111,18 @@ class RLVRFleet:
     def add(self, actors: RLVRActors, count: int, step: int, wait: float = 300.0, why: str = "asked",
             **logged) -> list[str]:
         """``count`` more servers, at most ``servers_max`` in all; returns their names."""
-        size = self.size(actors)
-        if count < 1 or size + count > self.high:
-            raise ValueError(f"adding {count} rollout server(s) to {size} would pass servers_max={self.high}")
+        self._within_max(actors, count)
         self.changes += 1
         names, where = actors.add_servers(count, name=f"{self.name}-fleet{self.changes}", wait=wait)
         for name, place in zip(names, where):
             print(f"placement: {name} on node {place.node[:8]} ({place.address})", flush=True)
         self._log(actors, step, "add", names, why=why, **logged)
         return names
+
+    def _within_max(self, actors: RLVRActors, count: int) -> None:
+        size = self.size(actors)
+        if count < 1 or size + count > self.high:
+            raise ValueError(f"adding {count} rollout server(s) to {size} would pass servers_max={self.high}")
 
     def remove(self, actors: RLVRActors, count: int, step: int, timeout: float, **logged) -> list[str]:
         """Take the ``count`` newest live servers out, leaving at least ``servers_min`` live ones; returns their
@@ -163,11 +169,13 @@ class RLVRFleet:
             return
         try:
             if request.change == "add":
-                if not self._room(request.count):  # refused at once: the updates do not wait on a node to come
+                self._within_max(actors, request.count)  # before looking for room, which may wait
+                # refused within ROOM_WAIT: the updates do not wait on a node to come
+                if not self._room(request.count, within=ROOM_WAIT):
                     raise RuntimeError(f"the cluster has no room now for {request.count} more rollout server(s) "
                                        f"({self._bundle()} each); with servers_max above servers the fleet grows "
                                        "into a node when one joins")
-                self.add(actors, request.count, step, wait=GROW_WAIT, request=ident)
+                self.add(actors, request.count, step, wait=ROOM_WAIT, request=ident)
             else:
                 self.remove(actors, request.count, step, request.drain, request=ident)
         except (ValueError, RuntimeError) as error:  # past a bound, or no room for the servers' bundles now
@@ -190,9 +198,16 @@ class RLVRFleet:
     def _bundle(self) -> dict[str, float]:
         return self.config.roles()["rollout server"].bundle()  # one server's bundle, as its placement asks
 
-    def _room(self, count: int = 1) -> bool:
-        free = ray.available_resources()
-        return all(free.get(key, 0.0) >= amount * count for key, amount in self._bundle().items())
+    def _room(self, count: int = 1, within: float = 0.0) -> bool:
+        """Whether the free resources hold ``count`` more servers' bundles, looked at until ``within`` s pass."""
+        deadline = time.monotonic() + within
+        while True:
+            free = ray.available_resources()
+            if all(free.get(key, 0.0) >= amount * count for key, amount in self._bundle().items()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
 
     def _log(self, actors: RLVRActors, step: int, change: str, names: list[str], **more) -> None:
         entry = {"step": step, "change": change, "servers": names, "size": self.size(actors), **more}
