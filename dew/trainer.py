@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ import optax
 from flax import struct
 
 from dew.checkpoint import Checkpoints
+from dew.update_record import UpdateRecord
 from dew.data.dataset import Batch, Dataset, Partition, TrainStream
 from dew.objectives.base import Objective, Variables
 from dew.parallelism import Parallelism, ShardingPlan, placed, plan_shardings
@@ -118,6 +120,8 @@ class Trainer:
     trackers: experiment trackers that receive ``fit``'s records beside ``metrics.jsonl``:
     names ("tensorboard", "wandb") or :class:`~dew.experiment_trackers.TensorBoard` /
     :class:`~dew.experiment_trackers.WandB` settings; they write under ``output_dir``.
+    record: a folder where every step's trained batch is recorded (:mod:`dew.update_record`), so that
+    :func:`dew.replay.replay` can train the run again without its rollout; None records nothing.
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class Trainer:
         parallelism: Parallelism | None = None,
         progress: bool = True,
         trackers: Sequence[str | ExperimentTracker] = (),
+        record: str | Path | None = None,
     ):
         positive_int("accumulate", accumulate)
         trackers = trackers_of(trackers)
@@ -157,6 +162,7 @@ class Trainer:
         self.keep_checkpoints = keep_checkpoints
         self.progress = progress
         self.trackers = trackers
+        self.record = None if record is None else UpdateRecord(record)
         if parallelism is not None and not isinstance(parallelism, Parallelism):
             raise TypeError(f"parallelism must be a dew.parallelism.Parallelism, got {type(parallelism).__name__}")
         self.parallelism = parallelism or Parallelism()
@@ -280,26 +286,41 @@ class Trainer:
     # ----- step-wise API ---------------------------------------------------------------------
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, float]]:
-        """Consume one data batch: rollout (if any), then one compiled update.
+        """Consume one data batch: rollout (if any), then one compiled update (:meth:`update`).
 
         ``state`` is donated to the update and must not be used afterwards. Returns the
         new state and the step's metrics as host floats (empty when the rollout
-        returned nothing and no update was made).
+        returned nothing and no update was made). With ``record`` the trained batch is recorded.
         """
-        step = int(state.step)
+        step, updates = int(state.step), int(state.updates)
+        if self.record is not None and not self.record.opened:  # a first step: a run's start, or a resumed run
+            self.record.open(state.params, step, dict(self.mesh.shape))
         if self.rollout is not None:
             rollout_key = jax.random.fold_in(jax.random.fold_in(state.key, step), 1)
             clocks = {"step": step} if getattr(self.rollout, "takes_step", False) else {}
-            batch = self.rollout(batch, state.params, int(state.updates), rollout_key, **clocks)
+            batch = self.rollout(batch, state.params, updates, rollout_key, **clocks)
             if batch is None:
+                if self.record is not None:
+                    self.record.write(step, updates, None, None, {})
                 return state.replace(step=state.step + 1), {}
+        state, metrics = self.update(state, batch)
+        # A rollout that keeps its batch's figures (rewards, response lengths) has them logged with the update's.
+        if self.rollout is not None and isinstance(getattr(self.rollout, "metrics", None), Mapping):
+            metrics.update({f"rollout/{name}": float(value) for name, value in self.rollout.metrics.items()})
+        if self.record is not None:  # its cost is logged with the update's figures
+            began = time.perf_counter()
+            written = self.record.write(step, updates, batch, state.params, metrics)
+            metrics.update({"record/bytes": float(written), "record/seconds": time.perf_counter() - began})
+        return state, metrics
+
+    def update(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, float]]:
+        """One compiled update on ``batch`` as given (no rollout); ``state`` is donated. Returns the new state and
+        the update's metrics as host floats."""
+        step = int(state.step)
         self._validate(batch, step)
         with jax.set_mesh(self.mesh):  # the model marks its activations' rows on this mesh (constrain_rows)
             state, metrics = self._update(state, shard_batch(batch, self.mesh))
         metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
-        # A rollout that keeps its batch's figures (rewards, response lengths) has them logged with the update's.
-        if self.rollout is not None and isinstance(getattr(self.rollout, "metrics", None), Mapping):
-            metrics.update({f"rollout/{name}": float(value) for name, value in self.rollout.metrics.items()})
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(
                 f"the loss became {metrics['loss']} at step {step + 1} (batch {step} of this run's stream); "

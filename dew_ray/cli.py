@@ -11,7 +11,10 @@ and ``dew-ray grpo`` train one stage in this process on a Hugging Face model dir
 data file, as TRL's CLI does (:mod:`dew.recipes.stage_files`); ``dew-ray chain`` runs a chain
 of them on Ray (:mod:`dew_ray.pipelines.chain`). ``dew-ray fleet RUN_DIR --add N`` (or
 ``--remove N``) asks the driver of a running ``dew-ray rlvr`` to change its rollout fleet
-before its next update and prints the outcome (:mod:`dew_ray.pipelines.rlvr_fleet`).
+before its next update and prints the outcome (:mod:`dew_ray.pipelines.rlvr_fleet`). ``dew-ray
+replay RUN_DIR`` trains a finished (or stopped) ``dew-ray rlvr`` run again from its record, in
+this process without Ray, and reports whether every update's parameters equal the run's
+(:mod:`dew_ray.pipelines.rlvr_replay`).
 """
 
 from __future__ import annotations
@@ -189,6 +192,19 @@ def fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+def replay(args: argparse.Namespace) -> int:
+    from dew.update_record import RecordError
+    from dew_ray.pipelines.rlvr_replay import replay_run
+
+    try:
+        report = replay_run(args.run_dir, until=args.until)
+    except RecordError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(report.describe())
+    return 0 if report.identical else 1
+
+
 def stage(args: argparse.Namespace) -> int:
     from dew.config import load_config
     from dew.recipes.stage_files import StageRun, run_stage
@@ -285,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     changed.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the driver to take the request "
                                                                    "(then it is withdrawn; 0: queue it and return)")
     changed.set_defaults(run=fleet)
+    replayed = commands.add_parser("replay", help="train a dew-ray rlvr run again from its record (no Ray, servers "
+                                                  "or sandboxes) and check its parameters bit for bit")
+    replayed.add_argument("run_dir", help="the run's directory (recorded with record=true, the default)")
+    replayed.add_argument("--until", type=int, default=None, metavar="N", help="replay only the first N steps")
+    replayed.set_defaults(run=replay)
     demo = commands.add_parser("sft-demo", help="train the tiny built-in decoder on the built-in story corpus")
     demo.add_argument("--steps", type=int, default=200)
     demo.add_argument("--batch", type=int, default=16)

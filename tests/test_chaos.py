@@ -8,6 +8,10 @@ every invariant read back from its run directory must hold. Then tool episodes (
 environment workers and tool processes killed. (vLLM engines' stalls and kills are tests/test_multinode.py's and
 tests/test_rollout_servers.py's, and bench/chaos.py's with ``--engine vllm``: an engine start costs a minute here.)"""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from conftest import import_from
 
@@ -29,6 +33,11 @@ def test_the_pipeline_finishes_under_faults_and_keeps_its_invariants(tmp_path):
     assert result["recoveries"] >= 1, result["last_output"]  # the lost trainer's run went on in its driver
     assert "fleet requests answered" in result["invariants"], result["log"]
     assert any(change["change"] == "add" and change.get("request") for change in result["fleet"]), result["fleet"]
+    # what the run trained on was recorded through the kills and restarts: replayed, it reaches the same parameters
+    replayed = subprocess.run([str(Path(sys.executable).parent / "dew-ray"), "replay", str(tmp_path / "chaos")],
+                              capture_output=True, text=True, timeout=600)
+    assert replayed.returncode == 0, replayed.stdout[-3000:] + replayed.stderr[-3000:]
+    assert "replayed 24 steps" in replayed.stdout and "DIFFERENT" not in replayed.stdout, replayed.stdout
 
 
 def test_the_sandbox_never_reports_a_killed_program_completed():

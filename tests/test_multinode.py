@@ -335,5 +335,11 @@ def test_vllm_engines_on_two_nodes_come_back_where_their_hosts_start_them(three_
 
     for got, want in zip(jax.tree.leaves(served), jax.tree.leaves(final)):
         np.testing.assert_allclose(got, want, atol=float(np.abs(want).max()) * 2 ** -8)  # bfloat16 rounding
+    # the record holds what the trainer consumed, whatever engine drew it: replayed without Ray or vLLM, every update
+    # reaches the run's parameters bit for bit
+    replayed = subprocess.run([str(Path(sys.executable).parent / "dew-ray"), "replay", str(run)], capture_output=True,
+                              text=True, timeout=300)
+    assert replayed.returncode == 0, replayed.stdout[-3000:] + replayed.stderr[-3000:]
+    assert "replayed 4 steps" in replayed.stdout and "4 equal" in replayed.stdout, replayed.stdout
     print(f"an engine whose actor was killed served the newest weights {came_back:.0f} s later; one whose "
           f"processes were killed, {started_again:.0f} s later")

@@ -28,6 +28,8 @@ from dew.losses.value_loss import clipped_value_loss
 from dew.collection.episode_rollout import EpisodeRollout
 from dew.collection.ppo_rollout import PPORollout
 from dew.objectives.ppo import PPOObjective, ValueHead
+from dew.replay import replay
+from dew.update_record import UpdateRecord, params_digest
 
 FIXTURE = np.load(ROOT / "tests" / "fixtures" / "verl_ppo.npz")
 META = json.loads(str(FIXTURE["meta"]))
@@ -240,6 +242,21 @@ def test_two_updates_move_policy_and_critic_lower_the_critic_error_and_keep_the_
     for _ in range(20):
         critic = jax.tree.map(lambda p, g: p - 0.1 * g, critic, gradient(critic))
     assert value_error(ppo, critic, batch) < before
+
+
+def test_a_recorded_ppo_run_of_tool_episodes_replays_bit_for_bit_without_its_episodes(tmp_path):
+    """PPO with a critic over tool episodes, recorded (Trainer(record=...)): dew.replay trains the recorded batches
+    again on a Trainer without a rollout and reaches each update's parameters and the checkpoints bit for bit."""
+    ppo = objective(beta=0.03)
+    trainer = Trainer(ppo, optax.adam(3e-2), key=jax.random.key(3), rollout=PPORollout(ppo, rollout(ppo)),
+                      progress=False, output_dir=tmp_path / "out", checkpoint_every=2, record=tmp_path / "record")
+    state = trainer.fit(Dataset(train=lambda partition: itertools.repeat(tasks(0, 1, 2))), steps=3, log_every=1)
+    recorded = list(UpdateRecord(tmp_path / "record").steps())
+    assert {"returns", "old_values", "advantages", "behavior_log_probs"} <= set(recorded[0].batch), sorted(recorded[0].batch)
+    assert recorded[-1].params_digest == params_digest(state.params)
+    bare = Trainer(ppo, optax.adam(3e-2), key=jax.random.key(3), progress=False)
+    report = replay(bare, tmp_path / "record", checkpoints=tmp_path / "out")
+    assert report.identical and report.updates == 3 and report.checkpoints == {2: True, 3: True}, report.describe()
 
 
 def value_error(ppo, critic, batch):

@@ -373,6 +373,13 @@ def test_a_killed_main_job_resumes_from_its_checkpoint(container_image):
         # the held-out curve has each of its points once: after the warm start, updates 1, 2 and 4, and the end
         curve = [json.loads(line)["step"] for line in (killed / "held_out.jsonl").read_text().splitlines()]
         assert curve == [0, 1, 2, 4, 5]
+        # The record spans the kill: trained again from it, in one process without Ray, servers or sandboxes, every
+        # update lands on the parameters the run recorded, and on its checkpoints bit for bit.
+        replayed = subprocess.run([str(Path(sys.executable).parent / "dew-ray"), "replay", f"runs/{name}"], env=env,
+                                  cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert replayed.returncode == 0, replayed.stdout[-3000:] + replayed.stderr[-3000:]
+        assert "replayed 5 steps (5 updates)" in replayed.stdout and "5 equal" in replayed.stdout, replayed.stdout
+        assert "every update's parameters equal the record's" in replayed.stdout, replayed.stdout
 
         # The uninterrupted run starts from the same warm start (read back, as the resumed run read it), which
         # leaves the 80 SFT steps out of its time; its GRPO updates run from the first to the last without a stop.

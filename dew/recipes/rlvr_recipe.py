@@ -248,7 +248,8 @@ class GRPOJob:
 def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict], prompt_len: int,
              server: RolloutServer, reward: Callable[[str, str, str, str], float], *, loading: Loading,
              score_workers: int, progress: bool, output_dir=None, push: str = "one", eos_ids=None,
-             template_options=None, source: SessionSource | None = None, width: int | None = None) -> GRPOJob:
+             template_options=None, source: SessionSource | None = None, width: int | None = None,
+             record=None) -> GRPOJob:
     """The GRPO job of the built-in run on one trainer process.
 
     GRPOObjective (TIS cap 2 on proximal over behaviour) from ``params``; a PromptSource on
@@ -267,15 +268,14 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     Completions are decoded without special tokens, as vLLM returns them. ``source``: the
     sessions to train on instead of that PromptSource (multi-turn episodes; ``reward`` and
     ``score_workers`` are then unused, and the caller closes it); ``width``: the row width
-    (default: ``prompt_len + max_new_tokens``, one prompt and one response).
+    (default: ``prompt_len + max_new_tokens``, one prompt and one response); ``record``: the
+    Trainer's record folder (:mod:`dew.update_record`), None for none.
     """
     processes = jax.process_count()
     if config.tasks_per_step % processes:
         raise ValueError(f"tasks_per_step={config.tasks_per_step} must divide over {processes} trainer processes")
     width = width or prompt_len + config.max_new_tokens  # one chain: the prompt, then the response(s)
-    objective = GRPOObjective(config.rematerialised(model), seq_len=width - 1, pretrained=params, behavior_importance=2.0,
-                              max_token_lag=config.max_token_lag, stale_token_weight=config.stale_token_weight,
-                              sampling_temperature=None if config.temperature == 1.0 else config.temperature)
+    objective = grpo_objective(config, model, params, width)
     owned = source is None
     if owned:
         source = PromptSource(server, reward, decode=functools.partial(tokenizer.decode, skip_special_tokens=True),
@@ -305,13 +305,27 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
 
     prompts = Prompts(records=list(rows), tokenizer=tokenizer, max_prompt_len=prompt_len, loading=loading,
                       template_options=template_options).load(batch=config.tasks_per_step)
-    optimizer = skip_empty_updates(optax.chain(optax.clip_by_global_norm(config.clip),
-                                               optax.adam(learning_rate_schedule(config))))
-    trainer = Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
-                      rollout=rollout, progress=progress, output_dir=output_dir, parallelism=config.parallelism())
+    trainer = grpo_trainer(config, objective, rollout=rollout, progress=progress, output_dir=output_dir, record=record)
     return GRPOJob(trainer=trainer, data=scheduler.tasks(prompts), scheduler=scheduler, source=source,
                    records=records, entered=entered, tasks=tasks, sessions=sessions, lag_shares=shares,
                    owns_source=owned)
+
+
+def grpo_objective(config: RLVRConfig, model, params, width: int) -> GRPOObjective:
+    """The built-in run's GRPOObjective on rows of ``width`` ids, from ``params`` (see :func:`grpo_job`)."""
+    return GRPOObjective(config.rematerialised(model), seq_len=width - 1, pretrained=params, behavior_importance=2.0,
+                         max_token_lag=config.max_token_lag, stale_token_weight=config.stale_token_weight,
+                         sampling_temperature=None if config.temperature == 1.0 else config.temperature)
+
+
+def grpo_trainer(config: RLVRConfig, objective: GRPOObjective, **options) -> Trainer:
+    """The built-in run's Trainer of ``objective``: its optimizer, key and mesh (see :func:`grpo_job`); ``options``
+    go to the Trainer (rollout, progress, output_dir, record). :func:`dew.replay.replay` rebuilds it without the
+    rollout."""
+    optimizer = skip_empty_updates(optax.chain(optax.clip_by_global_norm(config.clip),
+                                               optax.adam(learning_rate_schedule(config))))
+    return Trainer(objective, optimizer, key=jax.random.fold_in(jax.random.key(config.seed), 2),
+                   parallelism=config.parallelism(), **options)
 
 
 def held_out_label(data_source: str) -> str:

@@ -80,7 +80,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import ray
 from flax import serialization
 from ray.exceptions import RayActorError
@@ -96,7 +95,7 @@ from dew_ray.dashboard_metrics import PipelineMetrics
 from dew_ray.pipelines.rlvr_actors import RLVRActors
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
 from dew_ray.pipelines.rlvr_fleet import RLVRFleet
-from dew_ray.pipelines.rlvr_job import PipelineEnvironment, Setup, pipeline_reward, warm_start_task
+from dew_ray.pipelines.rlvr_job import PipelineEnvironment, Setup, pipeline_reward, start_params, warm_start_task
 from dew_ray.pipelines.rlvr_report import plot, print_summary, zero_reward_note
 from dew_ray.placement import shortfall
 from dew_ray.pipelines.run_dirs import (
@@ -245,11 +244,10 @@ class RLVRPipeline:
     def _warm_params(self, setup: Setup, plan: RunPlan):
         """The weights GRPO starts from: a user's model as loaded (no warm_start file), else the warm start, run
         once and read back on a rerun."""
-        if plan.policy.params is not None and self.config.warm_start is None:
-            return plan.policy.params
+        known = start_params(self.config, plan, self.run_dir)
+        if known is not None:
+            return known
         path = self.run_dir / "warm_start.msgpack"
-        if path.exists():
-            return serialization.from_bytes(_init_template(setup.model), path.read_bytes())
         # in the first trainer's bundle, before the trainer starts there
         task = ray.remote(warm_start_task).options(**self.actors.placement.options("trainer", 0))
         params = ray.get(task.remote(setup, plan.built_in, plan.policy.params))
@@ -467,10 +465,6 @@ def _keep_lines(path, keep) -> list[dict]:
     kept = [line for line in lines if keep(line)]
     path.write_text("".join(json.dumps(line) + "\n" for line in kept))
     return kept
-
-
-def _init_template(model):
-    return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
 
 
 def run(config: RLVRPipelineConfig, address: str | None = None) -> dict:

@@ -93,7 +93,10 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     ``nvidia/nccl/lib/libnccl.so.2``); trainer_gpus: GPUs in each trainer's bundle.
     verl_rows: also write every update's admitted rollouts, all processes', as verl
     AgentLoopOutput rows (``dew.objectives.rl.verl.to_verl``, one JSON row per line) in
-    ``<run_dir>/verl_rows/update-<step>.jsonl``, beside ``metrics.jsonl``. eval_points: how
+    ``<run_dir>/verl_rows/update-<step>.jsonl``, beside ``metrics.jsonl``. record: write the
+    batch every update trained on, the trainer's own (:mod:`dew.update_record`), in
+    ``<run_dir>/record/``, so that ``dew-ray replay RUN_DIR`` trains the run again bit for bit
+    without servers, sandboxes or engines (a run of one trainer process). eval_points: how
     many times during training the held-out reward is measured besides before and after
     (evenly spaced updates; ``held_out.jsonl`` and the plot), 0 for before and after only.
     server_timeout: seconds a rollout server (native, or a vLLM engine) may answer nothing while
@@ -169,6 +172,7 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     nccl_library: str | None = None
     trainer_gpus: float = Field(0.0, ge=0)
     verl_rows: bool = False
+    record: bool = True
     eval_points: int = Field(3, ge=0)
     server_timeout: float = Field(60.0, gt=0)
     restarts: int = Field(3, ge=-1)

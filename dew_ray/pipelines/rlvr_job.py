@@ -23,6 +23,8 @@ import dataclasses
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+from flax import serialization
 
 from dew.data import Loading
 from dew.inference.engines import engine_dir, vllm_python
@@ -184,7 +186,7 @@ def trainer_job(setup: Setup, params, servers: list, runners: list, environment_
                    output_dir=str(Path(setup.run_dir) / "grpo"),
                    push="each" if setup.engines else "one",  # every process calls a SafetensorsReload
                    source=RemoteEnvironmentSource(environment_workers) if setup.environment else None,
-                   width=setup.width)
+                   width=setup.width, record=str(Path(setup.run_dir) / "record") if config.record else None)
 
     def report() -> dict:
         out = {"verdicts": fleet.drain(), "tasks": job.tasks[-1] if job.tasks else []}
@@ -209,6 +211,19 @@ def trainer_job(setup: Setup, params, servers: list, runners: list, environment_
             judges.close()
 
     return TrainJob(job.trainer, job.data, close=close, report=report, servers=None if setup.engines else pool)
+
+
+def start_params(config: RLVRPipelineConfig, plan, run_dir: Path):
+    """The weights GRPO starts from, when they need no training now: a user's model as loaded (no warm_start
+    conversations), else the warm start ``run_dir/warm_start.msgpack`` read back; None when the warm start has yet
+    to run."""
+    if plan.policy.params is not None and config.warm_start is None:
+        return plan.policy.params
+    path = Path(run_dir) / "warm_start.msgpack"
+    if not path.exists():
+        return None
+    template = jax.eval_shape(plan.policy.model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    return serialization.from_bytes(template, path.read_bytes())
 
 
 def warm_start_task(setup: Setup, train, start=None):
