@@ -15,12 +15,12 @@ from conftest import ROOT
 LAYERS = [
     ["dew.validation", "dew.config", "dew.hugepages"],
     ["dew.experiment_trackers", "dew.tracking", "dew.models", "dew.sampling", "dew.data", "dew.parallelism",
-     "dew.sharding", "dew.checkpoint", "dew.optimizers", "dew"],
+     "dew.sharding", "dew.checkpoint", "dew.update_record", "dew.optimizers", "dew"],
     ["dew.losses"],  # pure math
     ["dew.records", "dew.flow", "dew.presets"],  # records and packing; the rectified-flow pieces
     ["dew.inference"],  # engines and publishers
     ["dew.objectives"],
-    ["dew.trainer"],
+    ["dew.trainer", "dew.replay"],
     ["dew.collection"],  # rollouts, sources, scheduler, episodes, journal
     ["dew.sandbox"],
     ["dew.recipes"],

@@ -323,7 +323,7 @@ def test_vllm_engines_on_two_nodes_come_back_where_their_hosts_start_them(three_
         assert not any(processes.group_processes(group) for group in groups), "vLLM processes outlived their actor"
     finally:
         cluster.remove_node(joined)
-    assert summary["steps"] == 4 and set(summary["reward_after"]) == {"all", "openai/gsm8k"}
+    assert summary["steps"] == 4 and set(summary["reward_after"]) == {"all", "stderr", "openai/gsm8k"}
     trained = [task for row in pipeline.rows for task in row["tasks"]]
     # every batch once, across both engines' comebacks: 4 updates of 2 tasks are two epochs of the 4 prompts
     assert len(trained) == 8 and sorted(trained) == sorted(list(set(trained)) * 2)

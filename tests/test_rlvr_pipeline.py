@@ -133,7 +133,7 @@ def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tm
         ray.shutdown()
     run = tmp_path / "run"
     assert summary["steps"] == 3 and 0 <= summary["wait_share"] <= 1
-    assert set(summary["reward_after"]) == {"all", "openai/gsm8k", "pass@2", "pass@2/openai/gsm8k"}
+    assert set(summary["reward_after"]) == {"all", "stderr", "openai/gsm8k", "pass@2", "pass@2/openai/gsm8k"}
     # a random model never writes "#### <answer>": the summary says why the held-out reward stays 0
     assert summary["reward_after"]["all"] == 0 and "a random or untrained model" in summary["note"]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -409,10 +409,14 @@ def measure_episodes(source: EnvironmentSource, rows: Sequence[dict], ids: Seque
 
 def reward_summary(rewards: np.ndarray, sources: Sequence[str]) -> dict[str, float]:
     """``[rows, samples]`` rewards as the held-out summary: ``"all"``, per data source (:func:`held_out_label`), and
-    with more than one sample ``pass@k`` (a draw of reward 1 among a row's k) overall and per source."""
-    samples = rewards.shape[1]
+    with more than one sample ``pass@k`` (a draw of reward 1 among a row's k) overall and per source; with more
+    than one row ``"stderr"``, the standard error of ``"all"`` (the spread of the rows' mean rewards over the root
+    of their number: a row's draws share its prompt, so they are not independent draws)."""
+    rows, samples = rewards.shape
     labels = np.asarray([held_out_label(source) for source in sources])
     out = {"all": float(rewards.mean())}
+    if rows > 1:
+        out["stderr"] = float(rewards.mean(axis=1).std(ddof=1) / np.sqrt(rows))
     for label in sorted(set(labels)):
         out[str(label)] = float(rewards[labels == label].mean())
     if samples > 1:

@@ -48,7 +48,7 @@ def plot(rows: list[dict], summary: dict, path: Path, title: str) -> None:
     curve = summary["held_out"]
     held = [point["step"] for point in curve]
     reward.plot(held, [point["reward"]["all"] for point in curve], marker="o", color="#4477aa", label="held-out tasks")
-    sources = [name for name in curve[0]["reward"] if name != "all" and not name.startswith("pass@")]
+    sources = source_names(curve[0]["reward"])
     for name, color in zip(sources if len(sources) > 1 else [], SOURCE_COLORS * len(sources)):  # each data source
         reward.plot(held, [point["reward"].get(name, float("nan")) for point in curve], marker="o", markersize=3,
                     linestyle="--", linewidth=1, color=color, label=f"held-out {name}")
@@ -65,12 +65,18 @@ def plot(rows: list[dict], summary: dict, path: Path, title: str) -> None:
     plt.close(figure)
 
 
+def source_names(reward: dict) -> list[str]:
+    """The data sources of a held-out summary: its keys other than "all", "stderr" and the pass@k ones."""
+    return [name for name in reward if name not in ("all", "stderr") and not name.startswith("pass@")]
+
+
 def print_summary(summary: dict) -> None:
     before, after = summary["reward_before"], summary["reward_after"]
-    families = ", ".join(f"{name} {before[name]:.3f} -> {after[name]:.3f}" for name in before
-                         if name != "all" and not name.startswith("pass@"))
+    families = ", ".join(f"{name} {before[name]:.3f} -> {after[name]:.3f}" for name in source_names(before))
     share = summary["wait_share"]
     print(f"held-out reward {before['all']:.3f} -> {after['all']:.3f} ({families}) after {summary['steps']} updates")
+    if "stderr" in before and "stderr" in after:
+        print(f"held-out standard error {before['stderr']:.3f} before, {after['stderr']:.3f} after (over its prompts)")
     passes = [name for name in before if name.startswith("pass@") and "/" not in name]
     if passes:
         print(f"held-out {passes[0]} {before[passes[0]]:.3f} -> {after[passes[0]]:.3f}")
