@@ -24,7 +24,9 @@ What a step does, on the host and then compiled:
    them to a running sum and commits one optimizer update every k batches, so
    ``TrainState.step`` counts batches and ``TrainState.updates`` committed updates;
 5. after each committed update the EMA slot moves by the objective's ``ema_decay``
-   (``None``: no copy; a float: moving average; exactly 1: a frozen reference).
+   (``None``: no copy; a float: moving average; exactly 1: a frozen reference);
+6. with ``record=DIR`` the batch the update trained on is written to the run's record
+   (:mod:`dew.update_record`), which :func:`dew.replay.replay` trains again bit for bit.
 
 The update donates the state it is given: ``step(state, batch)`` consumes ``state``.
 Trees the caller passed in (``pretrained=``) are copied when the state is built, so

@@ -7,7 +7,6 @@ the same checkpoints, bit for bit. A damaged record is refused naming the file. 
 pipeline's record under faults, killed servers and resubmissions included, is replayed by
 tests/test_chaos.py.)"""
 
-import itertools
 import json
 import shutil
 
@@ -17,12 +16,12 @@ import optax
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_rollout_scheduler import toy_prompts
 
 from dew import Dataset, Trainer
 from dew.collection.scheduler import RolloutScheduler
 from dew.collection.sources import PromptSource
 from dew.collection.tasks import prompt_tasks
-from dew.data.prompts import utf8_column
 from dew.inference import NativeRolloutServer, Server, ServingTask
 from dew.objectives.grpo import GRPOObjective
 from dew.objectives.lm import LMObjective
@@ -32,14 +31,6 @@ from dew.update_record import RecordError, UpdateRecord, params_digest
 
 WIDTH = 16
 STEPS = 5
-
-
-def prompts():
-    for step in itertools.count():
-        rows = [[20 + step % 5, 21, 22], [23, 24, 25 + step % 3]]
-        yield {"prompt": np.array(rows, np.int32), "prompt_length": np.array([3, 3], np.int32),
-               "data_source": utf8_column(["toy"] * 2), "ground_truth": utf8_column(["x"] * 2),
-               "extra_info": np.zeros((2, 0), np.int32)}
 
 
 def grpo_trainer(model, served, **options) -> Trainer:
@@ -61,7 +52,7 @@ def recorded(sharp_decoder, tmp_path_factory):
         scheduler = RolloutScheduler(trainer.objective, source, server, width=WIDTH, rows=4, tasks=prompt_tasks,
                                      groups=2, max_lag=1, ahead=1)
         trainer.rollout = scheduler
-        state = trainer.fit(scheduler.tasks(Dataset(train=lambda partition: prompts())), steps=STEPS, log_every=1)
+        state = trainer.fit(scheduler.tasks(Dataset(train=lambda partition: toy_prompts())), steps=STEPS, log_every=1)
         scheduler.close()
     return model, served, root, state
 

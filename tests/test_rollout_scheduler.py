@@ -418,18 +418,20 @@ def test_converters_and_the_ahead_stream(objective, variables):
 # ----- end to end -----------------------------------------------------------------------------
 
 
+def toy_prompts():
+    """Two 3-id prompts per batch, endlessly, as verl rows."""
+    for step in itertools.count():
+        rows = [[20 + step % 5, 21, 22], [23, 24, 25 + step % 3]]
+        yield {"prompt": np.array(rows, np.int32), "prompt_length": np.array([3, 3], np.int32),
+               "data_source": utf8_column(["toy"] * 2), "ground_truth": utf8_column(["x"] * 2),
+               "extra_info": np.zeros((2, 0), np.int32)}
+
+
 def test_end_to_end_with_the_trainer(sharp_decoder):
     model, served = sharp_decoder
     width = 16
     objective = GRPOObjective(model, seq_len=width - 1, behavior_importance=2.0)
     serving = ServingTask(model, served, Sampling(eos_id=tuple(range(16)), temperature=1.0, top_k=8))
-
-    def prompts():
-        for step in itertools.count():
-            rows = [[20 + step % 5, 21, 22], [23, 24, 25 + step % 3]]
-            yield {"prompt": np.array(rows, np.int32), "prompt_length": np.array([3, 3], np.int32),
-                   "data_source": utf8_column(["toy"] * 2), "ground_truth": utf8_column(["x"] * 2),
-                   "extra_info": np.zeros((2, 0), np.int32)}
 
     records = []
     with NativeRolloutServer(Server.from_task(serving, slots=4, capacity=64), version=-1) as server, \
@@ -438,7 +440,7 @@ def test_end_to_end_with_the_trainer(sharp_decoder):
         scheduler = RolloutScheduler(objective, source, server, width=width, rows=4, tasks=prompt_tasks, groups=2,
                                      max_lag=1, ahead=1, log=records.append)
         trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(0), rollout=scheduler, progress=False)
-        state = trainer.fit(scheduler.tasks(Dataset(train=lambda partition: prompts())), steps=3, log_every=1)
+        state = trainer.fit(scheduler.tasks(Dataset(train=lambda partition: toy_prompts())), steps=3, log_every=1)
         scheduler.close()
         assert int(state.updates) == 3 and server.version == 2  # pushed before each call: -1 -> 0, 1, 2
     assert len(records) == 3 and all(isinstance(r, SchedulerRecord) for r in records)
