@@ -210,7 +210,8 @@ def run(config: RLVRConfig = RLVRConfig(), warm: WarmStart | None = None) -> RLV
     reward = verifiable_reward(fleet)
 
     sampling = rollout_sampling(config, (tokenizer.eos_token_id,))
-    server = NativeRolloutServer(Server(model, params, sampling, slots=config.slots, capacity=width), version=0)
+    server = NativeRolloutServer(Server(model, params, sampling, slots=config.slots, capacity=width,
+                                        batch_invariant=config.deterministic), version=0)
     try:
         mark = time.perf_counter()
         eval_seed = config.seed + 1

@@ -28,6 +28,7 @@ from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
     (dict(stale_token_weight=0.5), "'stale_token_weight' \\(0.5\\) needs max_token_lag"),
     (dict(servers=3, servers_max=2), "'servers_min' \\(3\\), 'servers' \\(3\\) and 'servers_max' \\(2\\) must be in order"),
     (dict(servers=2, servers_max=4, engine="vllm"), "'servers_max' \\(4\\) above 'servers' \\(2\\) needs engine='native'"),
+    (dict(deterministic=True, engine="vllm"), "'deterministic' needs engine='native': vLLM's batch-invariant mode"),
 ])
 def test_each_kind_of_bad_value_is_named(values, message):
     with pytest.raises(ConfigError, match=message):

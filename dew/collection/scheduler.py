@@ -24,6 +24,14 @@ Admission by status (``truncation`` is pack's option):
 - ``timeout=S``: a rollout running S seconds after submission is cancelled and
   submitted again as a failed attempt.
 
+``deterministic=True`` takes the timing out of what is trained, for a source whose draws
+depend only on their seeds and weights (a native ``Server(batch_invariant=True)``): a weight
+push first waits for every draw submitted under the weights it replaces, so each draw runs
+under the version it was submitted at; and a batch's rollouts are taken in submission order
+(group, then sample) once all of them have finished, so which are admitted, cut or drawn
+again does not depend on which finished first. A run with failures (a dead server's draws)
+is drawn again under whatever is served then, and stays as timing makes it.
+
 ``oversample=K`` submits G + K samples per group and admits the first G to finish;
 ``admit=M`` admits the first M groups of a batch to complete and cancels the rest. A
 complete group is admitted only if its chains fit N rows beside the groups admitted
@@ -51,7 +59,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import jax
@@ -91,6 +99,7 @@ class RolloutScheduler:
     width, rows: the packed batch's shape [rows, width]; width must be ``seq_len + 1``.
     tasks: ``task_ids``, ``prompt_tasks`` or a callable batch -> list[Task] (None: by fields).
     log: a callable receiving a :class:`SchedulerRecord` per call.
+    deterministic: draws under the version submitted at, admission in submission order (see the module docstring).
     push: on a multi-process trainer, "one" (process 0 loads ``weights``, which serves
     every process's source) or "each" (every process loads its own ``weights``).
     """
@@ -117,6 +126,7 @@ class RolloutScheduler:
         estimator: str = "group",
         log: Callable[[SchedulerRecord], Any] | None = None,
         push: str = "one",
+        deterministic: bool = False,
     ):
         one_of("push", push, PUSHES)
         if not isinstance(source, SessionSource):
@@ -155,6 +165,7 @@ class RolloutScheduler:
         self.truncation, self.max_attempts, self.timeout = truncation, max_attempts, timeout
         self.oversample, self.admit, self.support_capacity = oversample, admit, support_capacity
         self.estimator, self.log, self.push = estimator, log, push
+        self.deterministic = bool(deterministic)
         self.converter = tasks or infer_tasks
         self._rescore = jax.jit(objective.packed_log_probs)
         options = {"rows": rows, "width": width, "sync_every": sync_every, "push": push}
@@ -258,6 +269,9 @@ class RolloutScheduler:
         before = self.served_version
         if version - before < self.sync_every:
             return False
+        if self.deterministic:  # every draw runs under the weights it was submitted under
+            wait([slot.future for entry in self._queue if entry.submitted for group in entry.groups
+                  for slot in group.slots if slot.future is not None])
         if self._agreement is not None:
             return self._agreement.push_weights(variables, version, before)
         # The trainer donates its state to the next update; the server must keep a copy of its own.
@@ -390,12 +404,16 @@ class RolloutScheduler:
             if not pending:  # cannot happen: a running group always has a live sample or is complete
                 raise AssertionError("a running group has no live samples")
             done = [f for f in pending if f.done()]
-            if not done:
+            if len(done) < len(pending) if self.deterministic else not done:
                 wait_for = None
                 if self.timeout is not None:
                     nearest = min(s.submitted for _, s in pending.values()) + self.timeout
                     wait_for = max(0.0, min(_POLL, nearest - time.monotonic()))
-                done = list(wait(list(pending), timeout=wait_for, return_when=FIRST_COMPLETED).done)
+                done = list(wait(list(pending), timeout=wait_for,
+                                 return_when=ALL_COMPLETED if self.deterministic else FIRST_COMPLETED).done)
+            if self.deterministic:  # in submission order, once every one is in (the timeouts below may come first)
+                done = sorted(done, key=lambda f: (pending[f][0].group, pending[f][1].sample))
+                done = done if len(done) == len(pending) else []
             for future in done:
                 group, slot = pending[future]
                 if group.state != "running" or slot.future is not future:

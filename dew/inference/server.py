@@ -38,6 +38,17 @@ cancelled meanwhile leaves without that token, a request admitted meanwhile gets
 first token one ``step()`` later, and a ``reload`` starts it again on the new weights,
 so weights still change exactly between two steps.
 
+``batch_invariant=True`` makes a request's numbers independent of the other requests: a
+packed prefill's width (a power of two over every id joining at that step) changes the last
+bits of each of its prompts' logits, so every prompt is then prefilled alone; and the cache
+is one block, so every decode step is one compiled program (the step at which another request
+first reached a further block gave the request other last bits in its log-probability). A
+decode step computes every row of its lane whoever occupies them, and the float32 attention
+reads each row only up to its own length (tests/test_server_invariance.py compares requests
+alone and beside others bit for bit). It costs prefill calls (prompts that join together no
+longer share one) and, in bfloat16, whose attention reads every position of the blocks, the
+reads of the whole capacity.
+
 ``lanes`` splits the slots into that many equal groups, each with its own cache, whose
 decode steps run at the same time on their own threads. One batched step over many
 slots spends much of its time in small kernels that do not use every core; on a
@@ -78,6 +89,7 @@ class ServingTask:
     variables: Any
     sampling: Sampling
     dtype: Any = jnp.float32
+    batch_invariant: bool = False  # Server(batch_invariant=...): each prompt prefilled alone
 
 
 @dataclasses.dataclass
@@ -284,7 +296,7 @@ class Server:
 
     def __init__(
         self, model, variables, sampling: Sampling, slots: int, capacity: int, dtype=jnp.float32, lanes: int = 1,
-        block_size: int = BLOCK_SIZE,
+        block_size: int = BLOCK_SIZE, batch_invariant: bool = False,
     ):
         positive_int("slots", slots)
         integer("capacity", capacity, at_least=2)
@@ -296,7 +308,7 @@ class Server:
         if jnp.dtype(dtype) != jnp.float32 and getattr(model, "matmul_dtype", jnp.float32) is None:
             model = model.clone(matmul_dtype=dtype)  # serve in the served precision: products on its operands
         self.model, self.sampling, self.slots, self.capacity, self.dtype = model, sampling, slots, capacity, dtype
-        self.lanes = lanes
+        self.lanes, self.batch_invariant = lanes, bool(batch_invariant)
         self.variables = cast_floating(variables, dtype)
         width = slots // lanes
         self._lane_slots = [slice(lane * width, (lane + 1) * width) for lane in range(lanes)]
@@ -304,7 +316,9 @@ class Server:
         # (with bfloat16 weights it even converts every weight to float32 each step); a spare row is nearly free.
         self._rows = max(2, width)
         rows = self._rows
-        blocks = cache_blocks(capacity, block_size)
+        # batch_invariant: one block, so one compiled step; a step that reads one more block than the last (because
+        # another request reached it) gave a request's log-probability other last bits at that step
+        blocks = [capacity] if batch_invariant else cache_blocks(capacity, block_size)
         self._ends = np.cumsum(blocks)  # positions up to each block's end
         self._kv, self._slots = [], []
         for _ in range(lanes):
@@ -330,7 +344,7 @@ class Server:
         cls, task: ServingTask, slots: int, capacity: int, lanes: int = 1, block_size: int = BLOCK_SIZE
     ) -> "Server":
         return cls(task.model, task.variables, task.sampling, slots=slots, capacity=capacity, dtype=task.dtype,
-                   lanes=lanes, block_size=block_size)
+                   lanes=lanes, block_size=block_size, batch_invariant=task.batch_invariant)
 
     # ----- requests ------------------------------------------------------------------------
 
@@ -543,11 +557,13 @@ class Server:
 
         A pack is one row of ids: each prompt costs its own length, not the longest
         prompt's, and lane rows without a prompt cost nothing. Widths are powers of two so
-        compilations repeat; the cap bounds the pack's [width, width] attention scores.
+        compilations repeat; the cap bounds the pack's [width, width] attention scores. With
+        ``batch_invariant`` every prompt is a pack of its own.
         """
         while joining:
             count, total = 1, len(joining[0][1])
-            while count < len(joining) and total + len(joining[count][1]) <= PACKED_IDS:
+            while (not self.batch_invariant and count < len(joining)
+                   and total + len(joining[count][1]) <= PACKED_IDS):
                 total += len(joining[count][1])
                 count += 1
             group, joining = joining[:count], joining[count:]

@@ -81,7 +81,11 @@ class RLVRConfig(MeshOptions):
     max_token_lag, stale_token_weight: GRPOObjective's per-token version bound (None: every
     admitted id trains) and the weight of the ids past it (0 drops them); temperature, top_p,
     top_k: how rollouts sample (the objective divides its logits by the same temperature);
-    warmup_steps: updates over which the learning rate rises linearly from 0 before the cosine.
+    warmup_steps: updates over which the learning rate rises linearly from 0 before the cosine;
+    deterministic: two runs of one seed on one machine train the same batches to the same
+    parameters: the rollout servers draw batch-invariantly (``Server(batch_invariant=True)``) and
+    the scheduler pushes weights only once the draws under the old ones are in and admits in
+    submission order (``RolloutScheduler(deterministic=True)``); native servers only.
     """
 
     synonyms = {"max_response_length": "max_new_tokens", "n": "samples", "rollout_n": "samples",
@@ -118,6 +122,7 @@ class RLVRConfig(MeshOptions):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     warmup_steps: int = Field(0, ge=0)
+    deterministic: bool = False
 
     @model_validator(mode="after")
     def _schedule(self):
@@ -286,6 +291,7 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
         objective, source, server, width=width, rows=config.tasks_per_step // processes * config.samples,
         tasks=prompt_tasks, groups=config.samples, max_lag=config.max_lag, ahead=config.ahead,
         sync_every=config.sync_every, truncation="score", log=records.append, push=push,
+        deterministic=config.deterministic,
     )
     entered: list[float] = []
     tasks: list[list[str]] = []

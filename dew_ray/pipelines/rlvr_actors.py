@@ -78,8 +78,9 @@ class RLVRActors:
         config = self.setup.config
         if judge is not None:  # greedy, and never pushed to: the same response always gets the same verdict
             sampling = Sampling(eos_id=self.setup.judge_eos_ids, temperature=0.0)
+            task = ServingTask(judge.model, judge.params, sampling, batch_invariant=config.deterministic)
             self.judge_pool = start_rollout_servers(
-                ServingTask(judge.model, judge.params, sampling), config.judge_servers, slots=config.slots,
+                task, config.judge_servers, slots=config.slots,
                 capacity=config.judge_max_length, placement=lambda i: self.placement.options("judge server", i),
                 timeout=config.server_timeout, pushed=False, **self.restarts)
             self.setup.judges = [(server.name, server.actor) for server in self.judge_pool.servers]
@@ -115,9 +116,9 @@ class RLVRActors:
             # engine_push the trainers use: the driver holds no GPU to broadcast from.
             self.pool = engine_rollouts(setup, version=-1)
             return actors
-        self.pool = start_rollout_servers(ServingTask(setup.model, params, setup.sampling()), config.servers,
-                                          slots=config.slots, capacity=setup.width, version=-1, placement=placement,
-                                          timeout=config.server_timeout, **self.restarts)
+        task = ServingTask(setup.model, params, setup.sampling(), batch_invariant=config.deterministic)
+        self.pool = start_rollout_servers(task, config.servers, slots=config.slots, capacity=setup.width, version=-1,
+                                          placement=placement, timeout=config.server_timeout, **self.restarts)
         return [server.actor for server in self.pool.servers]
 
     def add_servers(self, count: int, name: str, wait: float = 300.0) -> tuple[list[str], list]:

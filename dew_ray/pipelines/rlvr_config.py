@@ -224,6 +224,9 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
                                          or self.max_turns != type(self).model_fields["max_turns"].default):
             raise ValueError("config fields 'max_turns' and 'max_context_tokens' need 'environment': a run without "
                              "one draws a single response per prompt")
+        if self.deterministic and self.engine != "native":
+            raise ValueError("config field 'deterministic' needs engine='native': vLLM's batch-invariant mode "
+                             "(VLLM_BATCH_INVARIANT) runs on GPUs only, and this run's engines are not started with it")
         if self.engine_python is not None and self.engine != "vllm":
             raise ValueError("config field 'engine_python' needs engine='vllm'")
         if self.server_gpus and self.engine != "vllm":
