@@ -114,6 +114,10 @@ def test_a_damaged_or_incomplete_record_is_refused_naming_the_file(recorded, tmp
         replay(grpo_trainer(model, served), tmp_path / "moved")
     with pytest.raises(RecordError, match="holds no run record"):
         replay(grpo_trainer(model, served), tmp_path / "nothing")
+    shutil.copytree(root / "record", tmp_path / "group")
+    shutil.copy(tmp_path / "group" / "start.p0.json", tmp_path / "group" / "start.p1.json")
+    with pytest.raises(RecordError, match="record of 2 trainer processes .* replay covers runs of one"):
+        replay(grpo_trainer(model, served), tmp_path / "group")
 
 
 def test_a_resumed_run_records_its_steps_again_and_replays_to_the_resumed_parameters(sharp_decoder, tmp_path):
