@@ -5,7 +5,8 @@
 (an RL objective's sampled ids, behaviour log-probabilities, versions, rewards and
 advantages, masks), one column per field and one row per batch row, with the step, the
 committed updates before it, the rollout's figures and the loss in the file's metadata,
-a SHA-256 digest of the batch and a SHA-256 digest of the parameters after the update. A
+a SHA-256 digest of the batch and a digest of the parameters after the update
+(:func:`params_digest`). A
 step whose rollout returned nothing (no update) is a file without rows, marked skipped.
 ``DIR/start.p<process>.json`` holds the digest of the parameters the run started from and
 the layout it trained on (processes, devices, mesh).
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pyarrow as pa
@@ -56,17 +58,48 @@ class RecordedStep:
 
 
 def params_digest(params) -> str:
-    """SHA-256 over the leaves' dtypes, shapes and bytes, in tree order (this process's shards; a replicated shard
-    once), the digest a record compares parameters by."""
+    """The digest a record compares parameters by: per leaf, two sums of its bits (as 32-bit words) weighted by odd
+    multipliers of their positions, modulo 2**32, computed where the parameters live (every device and process
+    together), then SHA-256 over each leaf's path, dtype, shape and sums.
+
+    Any one changed bit changes both sums (an odd weight times a power of two is never 0 modulo 2**32), and modular
+    sums do not depend on the order XLA adds in. They run where the parameters are, sharded or not, so a GPU's
+    parameters never travel to the host for them (a host SHA-256 of a Qwen3-0.6B shape's 2.4 GB takes 1.4 s here).
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    sums = np.asarray(jax.device_get(_bit_sums([leaf for _, leaf in leaves])))
     digest = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        digest.update(jax.tree_util.keystr(path).encode())
-        digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
-        shards = [leaf] if not isinstance(leaf, jax.Array) else [s.data for s in leaf.addressable_shards
-                                                                  if s.replica_id == 0]
-        for shard in shards:
-            digest.update(np.ascontiguousarray(np.asarray(shard)).view(np.uint8).data)
+    for (path, leaf), pair in zip(leaves, sums.reshape(len(leaves), 2)):
+        digest.update(f"{jax.tree_util.keystr(path)}|{jnp.dtype(leaf.dtype).name}|{tuple(leaf.shape)}|".encode())
+        digest.update(pair.astype("<u4").tobytes())
     return digest.hexdigest()
+
+
+COLUMNS = 1024  # a leaf's words are summed as rows of this many, each row weighted, then the rows
+
+
+def _odd(count: int, multiplier: int) -> jax.Array:
+    """``count`` odd uint32 weights, one per position."""
+    return (jax.lax.iota(jnp.uint32, count) * jnp.uint32(multiplier)) | jnp.uint32(1)
+
+
+@jax.jit
+def _bit_sums(leaves: list) -> jax.Array:
+    """[2 x leaves] uint32: each leaf's bits as 32-bit words, summed with two odd weights per position (a row's
+    weight times a column's, both odd: a product that is odd too), modulo 2**32."""
+    out = []
+    for leaf in leaves:
+        leaf = jnp.asarray(leaf)
+        kind = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[leaf.dtype.itemsize]
+        words = jax.lax.bitcast_convert_type(leaf, kind).reshape(-1).astype(jnp.uint32)
+        body = words.size - words.size % COLUMNS
+        rows, tail = words[:body].reshape(-1, COLUMNS), words[body:]
+        for column, row in ((2654435761, 2246822519), (3266489917, 668265263)):
+            inner = (rows * _odd(COLUMNS, column)[None, :]).sum(axis=1, dtype=jnp.uint32)
+            total = (inner * _odd(rows.shape[0], row)).sum(dtype=jnp.uint32)
+            # the tail's weights are odd too; its positions follow the rows'
+            out.append(total + (tail * _odd(tail.size, row ^ column)).sum(dtype=jnp.uint32))
+    return jnp.stack(out) if out else jnp.zeros((0,), jnp.uint32)
 
 
 def batch_digest(batch: Mapping[str, np.ndarray]) -> str:
