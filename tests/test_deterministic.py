@@ -60,7 +60,9 @@ def test_two_deterministic_asynchronous_runs_train_the_same_bits(sharp_decoder, 
         assert one == other, f"step {one[0]} differs"
 
 
-TIMING = ("wall", "waited", "rollout/latency/", "train/record/seconds")  # how long, never what
+# How long, never what; and "verdicts", the sandbox verdicts returned since the previous update, which counts how many
+# of the next batch's programs (drawn ahead) had finished by the time this update ended.
+TIMING = ("wall", "waited", "rollout/latency/", "train/record/seconds", "verdicts")
 
 
 @pytest.mark.ray
