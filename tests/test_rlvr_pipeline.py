@@ -719,5 +719,5 @@ def test_the_pipeline_runs_a_users_multi_turn_environment_scored_by_a_model_judg
                 two_call += 1
     assert two_call
     # the held-out measure ran the same episodes on the built-in held-out split
-    assert set(summary["reward_before"]) == {"all", "math", "code", "pass@2", "pass@2/math", "pass@2/code"}
+    assert set(summary["reward_before"]) == {"all", "stderr", "math", "code", "pass@2", "pass@2/math", "pass@2/code"}
     assert 0 <= summary["reward_after"]["all"] <= 1
