@@ -50,7 +50,7 @@ class TrainJob:
     servers: Any = None  # the job's ServerPool, when its rollout servers may change during the run
 
 
-def _use_cpu_devices(count: int) -> None:
+def use_cpu_devices(count: int) -> None:
     """Expose ``count`` CPU devices; only effective before JAX creates its backends."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
@@ -88,7 +88,7 @@ class TrainerHost:
                 raise ValueError("a trainer group of several processes needs the coordinator address")
             initialize_processes(coordinator, processes, process, local_device_count=local_devices)
         elif local_devices is not None:
-            _use_cpu_devices(local_devices)
+            use_cpu_devices(local_devices)
         job = self.build()
         if not isinstance(job, TrainJob):
             raise TypeError(f"build() must return a dew_ray TrainJob, got {type(job).__name__}")

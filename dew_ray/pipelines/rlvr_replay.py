@@ -14,13 +14,13 @@ for multi-turn environments: the trainer consumed the same kind of batch.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from dew.recipes.rlvr_plan import plan_run
 from dew.recipes.rlvr_recipe import grpo_objective, grpo_trainer
 from dew.replay import ReplayReport, replay
 from dew.update_record import RecordError, UpdateRecord
+from dew_ray.actors.trainer_actor import use_cpu_devices
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
 from dew_ray.pipelines.rlvr_job import start_params
 
@@ -34,8 +34,7 @@ def replay_run(run_dir: str | Path, until: int | None = None) -> ReplayReport:
     record = UpdateRecord(run_dir / "record")
     start = record.start()
     if start["platform"] == "cpu":  # before JAX starts its backend: the trainer's devices, as the run had them
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-        os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={start['local_devices']}"])
+        use_cpu_devices(start["local_devices"])
     config = RLVRPipelineConfig.model_validate({**json.loads((run_dir / "config.json").read_text()),
                                                 "run_dir": str(run_dir), "progress": False})
     plan = plan_run(config)
