@@ -17,7 +17,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar, get_origin
+from typing import Any, ClassVar, NamedTuple, TypeVar, get_origin
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
@@ -154,15 +154,47 @@ def field_descriptions(kind: type[BaseModel]) -> dict[str, str]:
     return found
 
 
-def fields_help(kind: type[BaseModel], width: int = 110) -> str:
-    """The config fields of ``kind`` for ``--help``: name, type and default on one line, what it is on the next."""
+class FieldRow(NamedTuple):
+    """One config field as ``--help`` and the documentation's configuration reference list it."""
+
+    name: str
+    type: str
+    default: str  # the default's repr, or "required"
+    constraints: str  # pydantic's bounds, such as ">= 1, < 1", or ""
+    description: str  # from the model's docstrings (:func:`field_descriptions`), or ""
+
+
+_CONSTRAINTS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "length >="),
+                ("max_length", "length <="))
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return re.sub(r"\b(?:[a-z_]\w*\.)+(?=[A-Za-z_])", "", str(annotation))  # typing.Literal, pkg.mod.Class: the name
+
+
+def field_rows(kind: type[BaseModel]) -> list[FieldRow]:
+    """Every field of ``kind`` in declaration order: type, default, bounds and description."""
     notes = field_descriptions(kind)
-    lines = [f"config fields (--set NAME=VALUE, or NAME = VALUE in the TOML file), from {kind.__name__}:"]
+    rows = []
     for name, field in kind.model_fields.items():
-        kind_name = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
-        default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
-        lines.append(f"  {name} ({kind_name}, {default})")
-        if notes.get(name):
-            text = notes[name]
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        bounds = [f"{symbol} {getattr(item, key):g}" if isinstance(getattr(item, key), float)
+                  else f"{symbol} {getattr(item, key)}"
+                  for item in field.metadata for key, symbol in _CONSTRAINTS if getattr(item, key, None) is not None]
+        rows.append(FieldRow(name, _type_name(field.annotation), default, ", ".join(bounds), notes.get(name, "")))
+    return rows
+
+
+def fields_help(kind: type[BaseModel], width: int = 110) -> str:
+    """The config fields of ``kind`` for ``--help``: name, type, default and bounds on one line, what it is on the
+    next."""
+    lines = [f"config fields (--set NAME=VALUE, or NAME = VALUE in the TOML file), from {kind.__name__}:"]
+    for row in field_rows(kind):
+        default = "required" if row.default == "required" else f"default {row.default}"
+        lines.append(f"  {row.name} ({row.type}, {default}{', ' + row.constraints if row.constraints else ''})")
+        if row.description:
+            text = row.description
             lines.append("      " + (text if len(text) <= width else text[: width - 3] + "..."))
     return "\n".join(lines)

@@ -114,11 +114,12 @@ def test_a_bad_stage_fails_with_the_field_named(files, tmp_path):
 
 
 def test_every_command_lists_its_config_fields_in_help():
-    for command, lines in (("grpo", ["  reward (str | None, default None)", "  max_new_tokens (int, default 16)",
-                                     "      GRPO's response budget", "  max_prompt_len (int, default 64)"]),
-                           ("rlvr", ["  model (str | None, default None)", "  max_prompt_length (int | None, default None)",
-                                     "  reward (str, default 'verifiable')", "  temperature (float, default 1.0)"]),
-                           ("chain", ["  stages (list, required)"])):
+    for command, lines in (("grpo", ["  reward (str | None, default None)", "  max_new_tokens (int, default 16, >= 1)",
+                                     "      GRPO's response budget", "  max_prompt_len (int, default 64, >= 1)"]),
+                           ("rlvr", ["  model (str | None, default None)",
+                                     "  max_prompt_length (int | None, default None, >= 1)",
+                                     "  reward (str, default 'verifiable')", "  temperature (float, default 1.0, > 0)"]),
+                           ("chain", ["  stages (list[StageSpec], required, length >= 1)"])):
         result = dew_ray(command, "--help", timeout=120)
         assert result.returncode == 0, result.stderr[-2000:]
         for line in lines:
