@@ -7,7 +7,7 @@ for :class:`~dew.objectives.flow_grpo.FlowGRPOObjective`. For a data batch of B 
    and samples every row with the live policy along ``S`` time points (S - 1 stochastic
    transitions) with :func:`~dew.flow.trajectory.sample_trajectory`, row r's noise drawn from
    ``fold_in(key, r)`` with r its global row;
-2. calls ``reward(images, batch)`` once with the decoded samples (float32 [B G, *field shape]
+2. calls ``reward(images, batch)`` once with the decoded samples (float32 ``[B G, *field shape]``
    in [-1, 1]) and the repeated source batch, and takes back one finite real score per
    sample; anything else (the wrong shape, a non-number, NaN or inf) is refused, naming the row;
 3. turns the scores, kept float64 throughout, into group advantages with the population

@@ -15,17 +15,17 @@ was submitted under.
 Statuses (both sources; neither raises for a failed sample, so one failure never loses
 the others):
 
-=====================================================  ==============================
-what happened                                          status (``reward``)
-=====================================================  ==============================
-draw ended on EOS; reward / verifier scored it         COMPLETED (scored)
-draw spent its budget without EOS                      TRUNCATED (scored; not sent to a tool)
-environment reported "truncated"                       TRUNCATED (verified)
+======================================================  ======================================
+what happened                                           status (``reward``)
+======================================================  ======================================
+draw ended on EOS; reward / verifier scored it          COMPLETED (scored)
+draw spent its budget without EOS                       TRUNCATED (scored; not sent to a tool)
+environment reported "truncated"                        TRUNCATED (verified)
 context over ``max_prompt_tokens``; over ``max_turns``  TRUNCATED (None: the verifier never ran)
-environment reported "cancelled"; ``cancel(future)``   CANCELLED
-failed draw; reward or verifier raised or non-finite   INFRA_ERROR (None; ``detail`` says why)
-environment raised, reported "error" or failed release INFRA_ERROR
-=====================================================  ==============================
+environment reported "cancelled"; ``cancel(future)``    CANCELLED
+failed draw; reward or verifier raised or non-finite    INFRA_ERROR (None; ``detail`` says why)
+environment raised, reported "error" or failed release  INFRA_ERROR
+======================================================  ======================================
 
 A TRUNCATED session's reward is for the scheduler's ``truncation`` option to use or not.
 An environment session's ``episode_metrics`` hold ``turns`` (model calls), ``truncated`` (1.0

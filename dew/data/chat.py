@@ -106,11 +106,11 @@ class ChatMessages(PartitionedLoader):
 
     tokenizer: a tokenizer with a chat template, or a Hub name or local path for AutoTokenizer.
     path: a ``.parquet``/``.jsonl``/``.json`` file, a ``datasets`` directory saved with
-        ``save_to_disk``, a ``datasets.Dataset``/``DatasetDict``, or a Hub dataset id.
+    ``save_to_disk``, a ``datasets.Dataset``/``DatasetDict``, or a Hub dataset id.
     seq_len: L, the predicted positions; each row holds ``L + 1`` ids.
     column: the messages column (default ``messages``); a row without it but with a
-        ``prompt`` column (verl's layout) is read from ``prompt``. A ``tools`` column
-        (a list of schemas or its JSON text) is passed to the template.
+    ``prompt`` column (verl's layout) is read from ``prompt``. A ``tools`` column
+    (a list of schemas or its JSON text) is passed to the template.
     split, options: the split and :class:`HFOptions` for a Hub dataset.
     val_path: conversations for validation, read the same way.
     """

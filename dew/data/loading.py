@@ -58,14 +58,14 @@ class Loading:
     """How a loader reads and encodes its records.
 
     workers: processes that encode records (0 encodes in this process). They start with
-        multiprocessing's "spawn", so a script that uses them needs the usual
-        ``if __name__ == "__main__":`` guard around its entry point, and each start costs
-        a fresh interpreter, the script's own imports and the loader's tokenizer (about
-        2 s for ChatMessages with the Qwen vocabulary on a 2-core machine): workers pay
-        for themselves on thousands of records, not hundreds.
+    multiprocessing's "spawn", so a script that uses them needs the usual
+    ``if __name__ == "__main__":`` guard around its entry point, and each start costs
+    a fresh interpreter, the script's own imports and the loader's tokenizer (about
+    2 s for ChatMessages with the Qwen vocabulary on a 2-core machine): workers pay
+    for themselves on thousands of records, not hundreds.
     threads: threads that encode records when ``workers`` is 0 (tokenizers release the GIL).
     read_buffer: chunks of records submitted ahead of the one being collected, which
-        bounds the memory the parallel pass holds.
+    bounds the memory the parallel pass holds.
     shuffle: reorder each epoch with ``(seed, epoch)``; False keeps file order.
     seed: the shuffle seed; the same seed gives the same batches.
     """

@@ -27,7 +27,7 @@ from dew.losses.flow_sde import gaussian_log_density, sde_transition
 
 @struct.dataclass
 class FlowTrajectory:
-    """One sampling run. states: [rows, points, *shape] (states[:, 0] the noise, states[:, -1]
+    """One sampling run. states: ``[rows, points, *shape]`` (states[:, 0] the noise, states[:, -1]
     the sample); times: [points] from 1 to 0; log_densities: [rows, points - 1] the joint log
     density (summed over coordinates) of each transition, 0 where it was deterministic;
     stochastic: [points - 1] bool, the marks of stochastic support; noise: [points - 1] the
@@ -58,7 +58,7 @@ def sample_trajectory(velocity: Callable[[jax.Array, jax.Array], jax.Array], pro
                       shape: Sequence[int], steps: int, stochastic: bool | Sequence[bool] = True) -> FlowTrajectory:
     """Sample ``len(keys)`` rows of ``shape`` (see the module docstring); jit-compatible.
 
-    velocity(x [rows, *shape], t [rows]) -> [rows, *shape] is the model's velocity field.
+    ``velocity(x [rows, *shape], t [rows]) -> [rows, *shape]`` is the model's velocity field.
     """
     times = jnp.asarray(process.times(steps))
     marks = jnp.asarray(transition_marks(stochastic, steps - 1))

@@ -128,7 +128,7 @@ class FlowModel(Objective):
         return self.inputs.decode(trajectory.samples)
 
     def preview(self, variables, batch, key: jax.Array | None = None) -> np.ndarray:
-        """[rows, *field shape] decoded samples in [-1, 1] for the batch's rows (its conditions, if any)."""
+        """``[rows, *field shape]`` decoded samples in [-1, 1] for the batch's rows (its conditions, if any)."""
         rows = self.inputs.rows(batch, f"{type(self).__name__}.preview")
         key = jax.random.key(EVALUATION_KEY) if key is None else key
         columns = {c.name: jnp.asarray(batch[c.name], jnp.int32) for c in self.inputs.conditions}

@@ -42,7 +42,7 @@ class SandboxLimits:
     wall_seconds: the wall-clock deadline; the process group is killed when it passes.
     output_bytes: stdout plus stderr captured before the program is killed as OUTPUT_LIMIT.
     processes: RLIMIT_NPROC, processes the sandbox user may hold (not enforced for root;
-        the bubblewrap runner runs programs as an unprivileged user for that reason).
+    the bubblewrap runner runs programs as an unprivileged user for that reason).
     message_bytes: the largest JSON-lines message SubprocessEnvironment accepts from a worker.
     """
 

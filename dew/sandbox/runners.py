@@ -269,7 +269,7 @@ class BwrapRunner(CapturingRunner):
     """The launcher's limits inside bubblewrap (see the module docstring for what is and is not isolated).
 
     system_paths: host paths made visible read-only at the same place (a symlink stays a
-        symlink); add e.g. an interpreter's prefix outside /usr.
+    symlink); add e.g. an interpreter's prefix outside /usr.
     scratch_bytes: size of the private tmpfs at /tmp.
     bwrap: the bubblewrap binary to run (default: :func:`bwrap_binary`, the system's or the bundled one).
     """

@@ -7,7 +7,7 @@ used as a context manager. On entry (or at its first request) it starts the argv
 (its working directory, HOME and TMPDIR; ``directory`` while open), and on exit it
 kills the worker's process group and removes the directory.
 
-The protocol is one JSON object per line, one reply per request:
+The protocol is one JSON object per line, one reply per request::
 
     parent -> worker                                               worker -> parent
     {"op": "reset", "episode": {"task", "step", "sample", "seed"}}   {"context": [ids], "status": s, "detail": str}
