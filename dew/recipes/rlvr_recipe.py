@@ -71,7 +71,8 @@ class RLVRConfig(MeshOptions):
     :func:`~dew.data.verifiable.teacher_errors`);
     learning_rate, learning_rate_floor, clip: GRPO's Adam step, which decays along a cosine
     from learning_rate at the first update to learning_rate x learning_rate_floor at update
-    ``steps`` (1 keeps it constant), and its gradient-norm clip; train_tasks: tasks
+    ``steps`` (1 keeps it constant), and its gradient-norm clip; beta: the coefficient of GRPO's k3 KL to the
+    policy GRPO starts from (0 keeps no reference); train_tasks: tasks
     the demonstrations and GRPO prompts come from; eval_tasks, eval_samples: the
     held-out measurement; max_new_tokens: the response budget; slots: each rollout
     server's concurrent draws; sandbox_workers: programs run at once (per runner);
@@ -107,6 +108,7 @@ class RLVRConfig(MeshOptions):
     learning_rate: float = Field(1e-3, gt=0, lt=1)
     learning_rate_floor: float = Field(0.1, gt=0, le=1)
     clip: float = Field(1.0, gt=0)
+    beta: float = Field(0.0, ge=0)
     train_tasks: int = Field(2000, ge=1)
     eval_tasks: int = Field(64, ge=1)
     eval_samples: int = Field(4, ge=1)
@@ -319,7 +321,8 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
 
 def grpo_objective(config: RLVRConfig, model, params, width: int) -> GRPOObjective:
     """The built-in run's GRPOObjective on rows of ``width`` ids, from ``params`` (see :func:`grpo_job`)."""
-    return GRPOObjective(config.rematerialised(model), seq_len=width - 1, pretrained=params, behavior_importance=2.0,
+    return GRPOObjective(config.rematerialised(model), seq_len=width - 1, beta=config.beta, pretrained=params,
+                         behavior_importance=2.0,
                          max_token_lag=config.max_token_lag, stale_token_weight=config.stale_token_weight,
                          sampling_temperature=None if config.temperature == 1.0 else config.temperature)
 
