@@ -72,7 +72,8 @@ class RLVRConfig(MeshOptions):
     learning_rate, learning_rate_floor, clip: GRPO's Adam step, which decays along a cosine
     from learning_rate at the first update to learning_rate x learning_rate_floor at update
     ``steps`` (1 keeps it constant), and its gradient-norm clip; beta: the coefficient of GRPO's k3 KL to the
-    policy GRPO starts from (0 keeps no reference); train_tasks: tasks
+    policy GRPO starts from (0 keeps no reference, and the default 0.1 keeps GRPO from breaking what the warm
+    start knew, which made the built-in run's held-out gain depend on the seed); train_tasks: tasks
     the demonstrations and GRPO prompts come from; eval_tasks, eval_samples: the
     held-out measurement; max_new_tokens: the response budget; slots: each rollout
     server's concurrent draws; sandbox_workers: programs run at once (per runner);
@@ -108,7 +109,7 @@ class RLVRConfig(MeshOptions):
     learning_rate: float = Field(1e-3, gt=0, lt=1)
     learning_rate_floor: float = Field(0.1, gt=0, le=1)
     clip: float = Field(1.0, gt=0)
-    beta: float = Field(0.0, ge=0)
+    beta: float = Field(0.1, ge=0)
     train_tasks: int = Field(2000, ge=1)
     eval_tasks: int = Field(64, ge=1)
     eval_samples: int = Field(4, ge=1)
