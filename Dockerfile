@@ -36,9 +36,10 @@ WORKDIR /app
 ENV UV_PYTHON_DOWNLOADS=never UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1 UV_NO_CACHE=1 \
     DEW_ENGINE_HOME=/opt/dew-engines PATH=/app/.venv/bin:$PATH
 
-# The locked dependencies first, so a change to the project's code reuses this layer.
+# The locked dependencies first, so a change to the project's code reuses this layer; none of the default groups
+# (dev: the tests' tools; docs: the documentation site's generator).
 COPY pyproject.toml uv.lock README.md ./
-RUN uv sync --frozen --no-dev --no-install-project
+RUN uv sync --frozen --no-default-groups --no-install-project
 
 COPY dew ./dew
 COPY dew_ray ./dew_ray
@@ -47,7 +48,7 @@ COPY tools ./tools
 COPY cluster_configs ./cluster_configs
 COPY examples ./examples
 # Only the project is installed here; the dependencies were compiled to bytecode in their own layer above.
-RUN UV_COMPILE_BYTECODE=0 uv sync --frozen --no-dev
+RUN UV_COMPILE_BYTECODE=0 uv sync --frozen --no-default-groups
 
 # Optional inference engines (space-separated names from tools/engine_env.py: "vllm" for CPUs, "vllm-cuda" for
 # NVIDIA GPUs, "harbor", "gateway"), each in its own environment under DEW_ENGINE_HOME.

@@ -100,7 +100,7 @@ def main() -> None:
         rate = m["conversations_per_second"]
         print(f"{name:<16} {rate:>16.0f} {(f'{rate / peer:.2f}x' if peer else '-'):>8}")
     if peer is None:
-        print("(no peer: create .venv-ref as the README describes to measure TRL)")
+        print("(no peer: create .venv-ref as docs/benchmarks.md describes to measure TRL)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "chat_loader.json").write_text(json.dumps({"records": records, "medians": table, "trl": trl_version},
                                                          indent=2))

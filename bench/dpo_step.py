@@ -125,7 +125,7 @@ def main() -> None:
     print(f"dew DPO holds {dpo['peak_rss_gib'] - sft['peak_rss_gib']:+.2f} GiB against SFT on the same sequences "
           "(the reference copy and its forward pass)")
     if peer is None:
-        print("(no peer: create .venv-ref as the README describes to measure TRL)")
+        print("(no peer: create .venv-ref as docs/benchmarks.md describes to measure TRL)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.shape == "bench" else f"_{args.shape}"
     (RESULTS / f"dpo_step{suffix}.json").write_text(json.dumps(

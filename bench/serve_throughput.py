@@ -35,7 +35,7 @@ threads as the workload's concurrency, one ``/v1/completions`` request each (top
 seeded, ``min_tokens`` = ``max_tokens`` = the budget, ``ignore_eos``), after one untimed
 warm-up of every workload; its rounds interleave with dew's and transformers' rounds.
 While dew and transformers run, the idle vLLM process stays up (measured idle: see the
-README's figures).
+Benchmarks page, docs/benchmarks.md).
 
 The decode step's achieved bandwidth (fixed workload) is the weights plus the KV cache
 it reads per step (the cache blocks up to the furthest position of the step's requests,

@@ -25,7 +25,7 @@ Every entry but the "4 KB pages" one starts with ``GLIBC_TUNABLES=glibc.malloc.h
 as the processes dew-ray starts do (dew/hugepages.py): glibc then asks for transparent huge
 pages for the large allocations XLA (and torch) make and free every step.
 
-The peers run in the reference environment .venv-ref (see the README) when it exists.
+The peers run in the reference environment .venv-ref (see docs/benchmarks.md) when it exists.
 Each round also measures XLA's float32 and bfloat16 matrix-product rates (4096 x 4096,
 the same process kind as dew's) for the model FLOP utilisation: the step's model FLOPs
 (3 x the forward pass's products: 2 x tokens x weights, plus the full attention squares)
@@ -170,7 +170,7 @@ def main() -> None:
         print(f"{name:<29} {rate:>8.3f} {rate * rows * width:>9.0f} {rate / dew_rate:>9.2f}x {versus_torch:>9} "
               f"{versus_trl:>11} {mfu['float32']:>8} {mfu['bfloat16']:>9} {m['peak_rss_gib']:>13.2f} {first:>13}")
     if not peers:
-        print("(no peers: create .venv-ref as the README describes to measure the torch loop and TRL)")
+        print("(no peers: create .venv-ref as docs/benchmarks.md describes to measure the torch loop and TRL)")
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.shape == "bench" else f"_{args.shape}"

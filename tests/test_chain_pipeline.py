@@ -124,7 +124,7 @@ def test_chain_configs_are_checked_by_the_shared_loader(tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_chain_runs_as_a_submitted_ray_job(tmp_path):
-    """``ray start --head`` and ``ray job submit -- python -m dew_ray.pipelines.chain``, as the README says, with
+    """``ray start --head`` and ``ray job submit -- python -m dew_ray.pipelines.chain``, as docs/chains.md says, with
     two trainer processes per stage."""
     model = write_model(tmp_path / "model")
     config = chain_file(tmp_path, model, *write_data(tmp_path))

@@ -1,4 +1,4 @@
-"""The layers: every module imports only its own layer and the layers below it, as the README's layout says.
+"""The layers: every module imports only its own layer and the layers below it, as docs/concepts.md's layers table says.
 
 A room is a package (``dew.collection``) or a top-level module of ``dew`` (``dew.trainer``);
 ``dew.objectives.rl`` is a room of its own, the spec's import paths, above everything in

@@ -233,9 +233,10 @@ def test_cluster_configs_are_valid_for_ray_and_kuberay():
 
 
 def readme_submit_lines() -> list[str]:
-    """The README's ``ray job submit`` block, continuation lines joined, without its last line (``ray stop`` ends
-    every Ray process on the machine; the test stops the head it started by its temporary directory)."""
-    text = (ROOT / "README.md").read_text()
+    """docs/tutorials/ray-cluster.md's ``ray job submit`` block, continuation lines joined, without its last line
+    (``ray stop`` ends every Ray process on the machine; the test stops the head it started by its temporary
+    directory)."""
+    text = (ROOT / "docs/tutorials/ray-cluster.md").read_text()
     block = next(b for b in text.split("```bash\n")[1:] if "ray job submit" in b.split("```")[0]).split("```")[0]
     lines = block.replace("\\\n", " ").strip().splitlines()
     assert "get-auth-token --generate" in lines[0] and "ray start --head" in lines[1], lines
@@ -261,10 +262,11 @@ def test_the_qwen3_gsm8k_gpu_recipe_is_a_valid_run_of_a_users_model(qwen3_gsm8k)
     assert config.servers * config.server_gpus + config.trainers * config.trainer_gpus == 3
     plan = plan_run(config)
     assert plan.width <= 256 + 512 and plan.reward == "verifiable" and plan.eos_ids == (151645, 151643)
-    # the README's own run (its second section's TOML) plans the same way on the same files
+    # the README's own run (its second section's TOML, which docs/tutorials/own-model.md repeats) plans the same way
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Your model, your data, your reward"):]
     block = section[section.index("```toml\n") + 8:section.index("```", section.index("```toml\n") + 8)]
+    assert f"```toml\n{block}```" in (ROOT / "docs/tutorials/own-model.md").read_text()
     for name, value in (("models/Qwen3-0.6B", model), ("data/gsm8k/train.parquet", parquet),
                         ("data/gsm8k/test.parquet", test)):
         assert f'"{name}"' in block
@@ -275,10 +277,10 @@ def test_the_qwen3_gsm8k_gpu_recipe_is_a_valid_run_of_a_users_model(qwen3_gsm8k)
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_the_readme_job_submit_lines_work_as_written_on_this_machine():
-    """Runs the README's ``ray start`` and ``ray job submit`` lines exactly (from the checkout, through ``uv run``)
-    and reads the outputs where the README says they are; then a relative run_dir under a submitted job is refused
-    before any work starts, with the advice the README gives."""
+def test_the_job_submit_lines_work_as_written_on_this_machine():
+    """Runs docs/tutorials/ray-cluster.md's ``ray start`` and ``ray job submit`` lines exactly (from the checkout,
+    through ``uv run``) and reads the outputs where the page says they are; then a relative run_dir under a submitted
+    job is refused before any work starts, with the advice the page gives."""
     lines = readme_submit_lines()
     temp_dir = lines[1].split("--temp-dir")[1].split()[0]
     outputs = ROOT / "runs" / "jobsub"
@@ -312,7 +314,7 @@ def test_the_readme_job_submit_lines_work_as_written_on_this_machine():
         assert "'run_dir' is relative ('runs/jobsub-relative') and this driver runs as a submitted Ray job" in said
         assert "--set run_dir=$PWD/runs/jobsub-relative" in said
     finally:
-        processes.stop_ray_head(temp_dir, 6379)  # the README head: Ray's default GCS port
+        processes.stop_ray_head(temp_dir, 6379)  # the page's head: Ray's default GCS port
         shutil.rmtree(outputs, ignore_errors=True)
 
 

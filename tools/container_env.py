@@ -86,15 +86,19 @@ def install() -> bool:
                if shutil.which(binary) is None and not os.path.exists(f"/usr/sbin/{binary}")]
     if not missing:
         return False
+    apt_install(missing, "the container engine", "or install Docker your own way")
+    return True
+
+
+def apt_install(packages: list[str], what: str, otherwise: str) -> None:
+    """Debian's ``packages`` through apt-get as root, for ``what``; ``otherwise`` says what else a user can do."""
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         raise ContainerEngineError(
-            f"installing the container engine: {', '.join(missing)} missing, and apt-get as root is needed to install "
-            f"them (run `apt-get install -y {' '.join(missing)}` as root, or install Docker your own way)")
+            f"installing {what}: {', '.join(packages)} missing, and apt-get as root is needed to install "
+            f"them (run `apt-get install -y {' '.join(packages)}` as root, {otherwise})")
     environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    _run(["apt-get", "update", "-qq"], "installing the container engine (apt-get update)", env=environment)
-    _run(["apt-get", "install", "-y", "-qq", *missing],
-         "installing the container engine (apt-get install)", env=environment)
-    return True
+    _run(["apt-get", "update", "-qq"], f"installing {what} (apt-get update)", env=environment)
+    _run(["apt-get", "install", "-y", "-qq", *packages], f"installing {what} (apt-get install)", env=environment)
 
 
 def start_daemon(wait: float = 60.0) -> int | None:
