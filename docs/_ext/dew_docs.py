@@ -35,16 +35,20 @@ def _parse(directive: Directive, lines: list[str]) -> list[nodes.Node]:
     return container.children
 
 
+def _role(match: re.Match) -> str:
+    target = match.group(2)
+    return f"`{target.rsplit('.', 1)[-1] if match.group(1) else target}`"  # ~ shows the last name only
+
+
 def _markdown(text: str) -> str:
-    """A docstring's reStructuredText roles and literals as Markdown: ``:class:`~a.B``` -> `B`, ````x```` -> `x`."""
-    text = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: f"`{m.group(1).rsplit('.', 1)[-1] if '~' in m.group(0) else m.group(1)}`",
-                  text)
-    return text.replace("``", "`")
+    """A docstring's reStructuredText as Markdown: a role such as :class:`~a.B` becomes `B`, a double-backquoted
+    literal a single-backquoted one."""
+    return re.sub(r":[a-z]+:`(~?)([^`]+)`", _role, text).replace("``", "`")
 
 
 class ConfigFields(Directive):
-    """```` ```{config-fields} dew_ray.pipelines.rlvr_config:RLVRPipelineConfig ```` ````: one item per field (name,
-    type, default, bounds, what it is)."""
+    """``config-fields`` with a ``module:Class`` argument: one list item per field (name, type, default, bounds,
+    what it is)."""
 
     required_arguments = 1
 
@@ -72,8 +76,8 @@ def package_modules(package: str, recursive: bool) -> list[str]:
 
 
 class APIModules(Directive):
-    """``.. api-modules:: dew.collection`` (``:recursive:``): an automodule per module; a package's own page lists
-    its docstring only, as its names are documented where they are defined."""
+    """``api-modules`` with a package argument (and ``:recursive:``): an automodule per module; a package itself gets
+    its docstring only, as its names are documented in the modules that define them."""
 
     required_arguments = 1
     option_spec = {"recursive": lambda value: True}
