@@ -36,9 +36,21 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorPlacementGroupRemoved,
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    GetTimeoutError,
+    RayActorError,
+    RayTaskError,
+)
 
 from dew.inference import WeightPublisher
+
+# How Ray says an actor will not answer again: it died past its restarts (RayActorError), or Ray cannot place it
+# again because its placement group was removed (a fleet removal while Ray was restarting it after a crash: "Required
+# placement group ... is removed").
+ACTOR_GONE = (RayActorError, ActorUnschedulableError, ActorPlacementGroupRemoved)
 
 
 def host_tree(variables):
@@ -129,7 +141,7 @@ class WeightBroadcast(WeightPublisher):
                 with self._lock:
                     self._unanswered[name] = ref
                 return False
-            except RayActorError:
+            except ACTOR_GONE:
                 return False
             if served != version:
                 return False
@@ -169,7 +181,7 @@ class WeightBroadcast(WeightPublisher):
                 else:
                     failures.append((index, name, error))
                 continue
-            except RayActorError as error:
+            except ACTOR_GONE as error:
                 (dead if self.drop_dead else failures).append((index, name, error))
                 continue
             except Exception as error:  # noqa: BLE001 - every actor's outcome is collected before raising

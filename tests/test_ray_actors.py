@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import import_from
+from ray.exceptions import ActorPlacementGroupRemoved, ActorUnavailableError, ActorUnschedulableError, RayActorError
 
 ray = pytest.importorskip("ray")
 
@@ -32,6 +33,7 @@ from dew_ray.actors import (  # noqa: E402
     start_rollout_servers,
     start_sandbox_runners,
 )
+from dew_ray.actors.actor_replicas import actor_lost  # noqa: E402
 from dew_ray.weight_broadcast import WeightBroadcast  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -553,3 +555,13 @@ def test_keyed_calls_cancel_a_call_before_it_arrives_and_forget_old_cancels():
         assert await forgotten == "ran"
 
     asyncio.run(scenario())
+
+
+def test_an_actor_ray_cannot_place_again_counts_as_dead():
+    """A fleet removal that takes a server's placement group while Ray restarts the server after a crash leaves an
+    actor Ray cannot schedule ("Required placement group ... is removed"): the pools and the broadcast drop it as they
+    drop a dead one, rather than failing the run."""
+    assert actor_lost(ActorUnschedulableError("Required placement group 696f is removed.")) == "dead"
+    assert actor_lost(ActorPlacementGroupRemoved()) == "dead" and actor_lost(RayActorError()) == "dead"
+    assert actor_lost(ActorUnavailableError("restarting", None)) == "restarting"
+    assert actor_lost(RuntimeError("a task's own error")) is None

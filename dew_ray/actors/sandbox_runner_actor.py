@@ -18,11 +18,11 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
-from ray.exceptions import RayActorError
 
 from dew.sandbox import Outcome, Program, SandboxFleet, SandboxLimits, default_runner
 from dew_ray.actors.actor_replicas import ActorReplicas
 from dew.validation import positive_int
+from dew_ray.weight_broadcast import ACTOR_GONE
 
 
 class SandboxRunnerHost:
@@ -90,7 +90,7 @@ class RemoteFleet:
         if error is None:
             future.set_result(done.result())
             return
-        if isinstance(error, RayActorError):
+        if isinstance(error, ACTOR_GONE):  # the runner died or cannot be placed again: another runs it
             if attempt < self.retries:
                 with self._lock:
                     self.reruns += 1
