@@ -15,6 +15,7 @@ with the agent phase on an allowlist that names only the proxy.
 """
 
 import http.client
+import ipaddress
 import json
 import os
 import signal
@@ -474,6 +475,25 @@ def test_the_harbor_example_trains_through_real_harbor_trials_and_a_real_vllm(ha
 # ----- real Harbor trials in Harbor's own Docker environment, the agent phase on an allowlist ----------------------
 
 
+# A container's default route, read inside one: the address of the Docker bridge as the trials see it. `docker
+# network inspect` leaves IPAM's Gateway empty on some Docker versions, and an empty host would bind the proxy to
+# every interface.
+DEFAULT_ROUTE = """import socket, struct
+for line in open("/proc/net/route").read().splitlines()[1:]:
+    fields = line.split()
+    if fields[1] == "00000000":
+        print(socket.inet_ntoa(struct.pack("<L", int(fields[2], 16))))
+"""
+
+
+def docker_bridge_gateway(image: str) -> str:
+    """The Docker bridge's address on the host, from a container of ``image`` (which has python3)."""
+    found = subprocess.run(["docker", "run", "--rm", image, "python3", "-c", DEFAULT_ROUTE], capture_output=True,
+                           text=True, timeout=120, check=True).stdout.split()
+    assert len(found) == 1, f"a container on the bridge has no single default route: {found}"
+    return str(ipaddress.IPv4Address(found[0]))
+
+
 @pytest.fixture(scope="module")
 def harbor_docker(tmp_path_factory, container_engine):
     """(a HarborCLI maker over the real Harbor in its Docker environment, its trials folder, the bridge address).
@@ -499,8 +519,7 @@ def harbor_docker(tmp_path_factory, container_engine):
     (task / "tests" / "test.sh").write_text(
         "#!/bin/bash\nif [ -s /app/out.txt ]; then echo 1 > /logs/verifier/reward.txt; "
         "else echo 0 > /logs/verifier/reward.txt; fi\n")
-    bridge = subprocess.run(["docker", "network", "inspect", "bridge", "--format", "{{(index .IPAM.Config 0).Gateway}}"],
-                            capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    bridge = docker_bridge_gateway(container_engine.BASE_IMAGE)
     trials = tmp_path_factory.mktemp("harbor-docker-trials")
     outside = f"{socket.gethostbyname('pypi.org')}:443"  # an address the trials must not reach: PyPI's
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OPENAI_API_KEY": "unused", "DEW_PROBE": outside}
