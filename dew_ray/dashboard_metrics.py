@@ -15,7 +15,7 @@
 
 Ray's metrics agent exports them on every node in Prometheus format (with the ``ray_``
 prefix) at the node's metrics export port; the dashboard's Metrics view shows them once
-Prometheus and Grafana are set up for the cluster (see the README).
+Prometheus and Grafana are set up for the cluster (see docs/tutorials/ray-cluster.md).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ How each engine scores the probe:
   per prompt token (SGLang's ``tokenizer_manager`` and ``http_server.generate_request``);
 - the native server scores it with its own served copy (``Server.score``).
 
-Tolerances (``TOLERANCE``) come from measurement on these CPUs (see the README's landing
-check figures): float32 engines agree with dew to about 1e-6 nats, bfloat16 compute to
-a few hundredths; the defaults leave room above both and stay below what a changed layer
+Tolerances (``TOLERANCE``) come from measurement on these CPUs (see the landing check
+figures in docs/engines.md): float32 engines agree with dew to about 1e-6 nats, bfloat16
+compute to a few hundredths; the defaults leave room above both and stay below what a changed layer
 moves.
 """
 
@@ -44,7 +44,7 @@ class LandingError(EngineError):
 
 
 def halved_down_proj(variables, layer: int = 0):
-    """``variables`` with one layer's MLP down projection halved: the change README's landing-check figures
+    """``variables`` with one layer's MLP down projection halved: the change the landing-check figures (docs/engines.md)
     measure the check against (a copy; ``variables`` is left alone)."""
     changed = jax.tree.map(lambda x: x, variables)  # new containers, shared leaves
     mlp = changed["params"][f"layers_{layer}"]["mlp"]

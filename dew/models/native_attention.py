@@ -6,7 +6,7 @@ each row pays for the longest row, and reads the float32 cache at 7 to 11 GB/s o
 machine. ``native_attention.cc`` reads each row's keys and values once, only up to the row's
 own length, with the softmax in between. The 28 layers' attention of 32 rows at Qwen3-0.6B's
 heads on this machine: 24 to 30 ms against XLA's 61 at 65 to 128 positions, 121 against 336 ms
-at 257 to 384 (README, Benchmarks).
+at 257 to 384 (docs/benchmarks.md).
 
 It lives in dew's native library (:mod:`dew.models.native`); where the library is off, or the
 query or cache is not float32, or on a GPU, the XLA products serve (the same results up to

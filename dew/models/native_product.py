@@ -7,7 +7,7 @@ so serving a 0.6B model in bfloat16 was no faster than in float32. ``native_prod
 reads the weights once for all the rows: on CPUs with AVX512-BF16 it multiplies bfloat16
 pairs (``vdpbf16ps``) for up to 32 rows, elsewhere it widens each weight to float32 for up
 to 2 rows. The weight products of a 0.6B decode step at 1 row read 31 GB/s on this
-machine's 2 cores, whose plain streaming read reaches 29 to 33 GB/s (README, Benchmarks).
+machine's 2 cores, whose plain streaming read reaches 29 to 33 GB/s (docs/benchmarks.md).
 
 It lives in dew's native library (:mod:`dew.models.native`: how it is built, where, and
 how to turn it off); where the library is off, the products stay XLA's (the same results up
