@@ -445,6 +445,8 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
                 raise TimeoutError(f"the chaos run did not finish within {timeout:g} s")
             reader.join(timeout=10)
             outputs.append("".join(lines))
+            # each driver's whole output beside the run, for a failure's cause beyond the last 3,000 characters
+            (Path(run_dir) / f"chaos-driver-{driver_runs}.log").write_text(outputs[-1])
             resumed_at += [int(line.rsplit(" ", 1)[-1]) for line in lines if line.startswith("resumed ")]
             recoveries += sum(line.startswith("a trainer was lost") for line in lines)
             if driver.returncode == -signal.SIGKILL:
