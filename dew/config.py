@@ -174,14 +174,17 @@ def _type_name(annotation: Any) -> str:
     return re.sub(r"\b(?:[a-z_]\w*\.)+(?=[A-Za-z_])", "", str(annotation))  # typing.Literal, pkg.mod.Class: the name
 
 
+def _bound(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def field_rows(kind: type[BaseModel]) -> list[FieldRow]:
     """Every field of ``kind`` in declaration order: type, default, bounds and description."""
     notes = field_descriptions(kind)
     rows = []
     for name, field in kind.model_fields.items():
         default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-        bounds = [f"{symbol} {getattr(item, key):g}" if isinstance(getattr(item, key), float)
-                  else f"{symbol} {getattr(item, key)}"
+        bounds = [f"{symbol} {_bound(getattr(item, key))}"
                   for item in field.metadata for key, symbol in _CONSTRAINTS if getattr(item, key, None) is not None]
         rows.append(FieldRow(name, _type_name(field.annotation), default, ", ".join(bounds), notes.get(name, "")))
     return rows
