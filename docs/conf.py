@@ -21,6 +21,8 @@ myst_enable_extensions = ["colon_fence"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # the signatures stay readable; docstrings say what each argument is
 autodoc_default_options = {"show-inheritance": True}
+# dew_harbor's plug-ins subclass Harbor's classes and run in Harbor's own environment, not the project's
+autodoc_mock_imports = ["harbor"]
 
 html_theme = "furo"
 html_title = "dew-ray"

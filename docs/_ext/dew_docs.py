@@ -63,15 +63,16 @@ class ConfigFields(Directive):
         return _parse(self, lines)
 
 
-def package_modules(package: str, recursive: bool) -> list[str]:
-    """``package`` and its modules, sorted; with ``recursive`` its subpackages' modules too."""
+def package_modules(package: str, recursive: bool) -> list[tuple[str, bool]]:
+    """``package`` and its modules as (name, is a package), sorted; with ``recursive`` its subpackages' modules too.
+    Only packages are imported here: a module is left to autodoc, which mocks what ``autodoc_mock_imports`` names."""
     root = importlib.import_module(package)
-    found = [package]
+    found = [(package, True)]
     for info in pkgutil.iter_modules(root.__path__, prefix=package + "."):
         if info.ispkg and recursive:
             found += package_modules(info.name, recursive)
         elif not info.ispkg:
-            found.append(info.name)
+            found.append((info.name, False))
     return found
 
 
@@ -84,8 +85,7 @@ class APIModules(Directive):
 
     def run(self):
         lines = ["```{eval-rst}"]  # autodoc writes reStructuredText, which a MyST page reads inside eval-rst only
-        for name in package_modules(self.arguments[0], "recursive" in self.options):
-            package = hasattr(importlib.import_module(name), "__path__")
+        for name, package in package_modules(self.arguments[0], "recursive" in self.options):
             lines += [f".. automodule:: {name}", *([] if package else ["   :members:"]), ""]
         return _parse(self, lines + ["```"])
 
