@@ -59,7 +59,8 @@ The checks are ``bench/chaos_checks.py``'s.
     uv run python bench/chaos.py [--steps 40] [--seed 0] [--every 3] [--nodes 2] [--trainer-kills 1]
         [--set servers_max=5] [--engine vllm]
 
-Prints the faults injected and survived and the invariants; writes bench/results/chaos.json.
+Prints the faults injected and survived and the invariants; writes bench/results/chaos.{json,png}, the plot
+with the updates in metrics.jsonl over time and every fault injected.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ token_auth()  # the head and raylets this bench starts ask for Ray's token; the 
 import ray  # noqa: E402
 
 from chaos_checks import check_run, fleet_log, print_faults_and_invariants, sandbox_chaos  # noqa: E402
+from chaos_plot import plot_timeline  # noqa: E402
 from dew.inference.engines import free_port  # noqa: E402
 from dew_ray.pipelines.rlvr_config import load_config  # noqa: E402
 from dew_ray.pipelines.rlvr_fleet import FleetRequest, ask  # noqa: E402
@@ -225,6 +227,7 @@ class Injector:
         self.faults: Counter = Counter()
         self.log: list[dict] = []
         self.versions: dict[str, list[int]] = {}
+        self.progress: list[tuple[float, int]] = []  # (time, metrics.jsonl lines) at every change, for the plot
         self._killed: Counter = Counter()  # per actor-name prefix (one per driver lifetime) and role
         self._pids: dict[str, int] = {}
         self._stop = threading.Event()
@@ -272,6 +275,10 @@ class Injector:
 
     def _poll_versions(self) -> None:
         while not self._stop.wait(0.3):
+            if self.run_dir is not None:  # a resume drops the lines after its checkpoint, so the count can fall
+                done = _updates(self.run_dir)
+                if not self.progress or self.progress[-1][1] != done:
+                    self.progress.append((time.time(), done))
             try:
                 servers = self.actors()["rollout-server"]
             except Exception:  # noqa: BLE001 - the GCS is busy or the cluster is going down
@@ -467,7 +474,7 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
             "resumed_at": resumed_at, "recoveries": recoveries, "nodes": nodes, "engine": engine,
             "fleet": fleet_log(run_dir), "version_polls": injector.versions,
             "invariants": invariants,
-            "log": injector.log,
+            "log": injector.log, "progress": injector.progress,
             "last_output": outputs[-1][-3000:] if outputs else ""}
 
 
@@ -517,7 +524,8 @@ def main() -> None:
           f"{sandbox['killed_reported_completed']}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "chaos.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {RESULTS / 'chaos.json'}")
+    plot_timeline(result, RESULTS / "chaos.png")
+    print(f"wrote {RESULTS / 'chaos.json'} and {RESULTS / 'chaos.png'}")
     ok = all(v["ok"] for v in result["invariants"].values()) and sandbox["ok"]
     sys.exit(0 if ok else 1)
 
