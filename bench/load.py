@@ -266,6 +266,8 @@ def plot(front: dict, rollout: dict, path: Path) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     left.plot(range(len(front["rss_mib"])), front["rss_mib"], marker="o")
+    left.set_xticks(range(len(front["rss_mib"])))
+    left.set_ylim(0, max(front["rss_mib"]) * 1.15)  # from zero: a growth that matters is visible, noise is not
     left.set_xlabel("wave (0: after warm-up)")
     left.set_ylabel("dew-ray serve RSS (MiB)")
     left.set_title(f"front: {front['requests']} requests, {front['concurrency']} at once")
