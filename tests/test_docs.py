@@ -51,6 +51,11 @@ def test_the_site_builds_with_warnings_as_errors_and_has_every_page(site):
         assert f"<code class=\"docutils literal notranslate\"><span class=\"pre\">{field}</span></code>" in config
     api = (site / "reference" / "api" / "dew.collection.html").read_text()
     assert 'id="dew.collection.scheduler.RolloutScheduler"' in api  # generated from the docstrings
+    harbor = (site / "reference" / "api" / "dew_harbor.html").read_text()  # Harbor itself mocked, not installed
+    assert 'id="dew_harbor.bubblewrap.BubblewrapEnvironment"' in harbor
+    images = {path.name for path in (DOCS / "images").iterdir()}  # sphinx -W refuses a missing one; not a stray one
+    shown_anywhere = {name for page in PAGES for name in re.findall(r"images/([^)\s]+)", page.read_text())}
+    assert not images - shown_anywhere, f"images no page shows: {sorted(images - shown_anywhere)}"
 
 
 def code_blocks(path: Path):
