@@ -22,8 +22,14 @@ chaos = import_from("bench", "chaos")
 # beta=0: no KL term, as the run had before it became the default. With beta=0.1 the run failed twice on a 2-core
 # Intel Xeon (once from a removed placement group, which the pools and the broadcast now treat as a dead actor; once
 # for a cause the test did not keep: it keeps each driver's output in the run directory now).
+# restarts=10, max_attempts=10: a fault every 1.5 s, node removals among them, restarts each server of the two
+# worker nodes several times in 24 updates and fails a sample's draws more than the defaults (3 and 3) allow. Past
+# them a server is dead for good ("of 4 started, 4 died", two clean-clone runs here) or a group is abandoned, as the
+# spec's scheduler rule says (update 20 of another run: one group after 16 failed draws). The invariants below ask
+# that nothing be lost within those budgets, as bench/chaos.py's several-node runs set them (restarts=10).
 TINY = ["sft_steps=80", "sft_errors=0", "tasks_per_step=2", "samples=4", "max_new_tokens=40", "eval_tasks=4",
-        "eval_samples=1", "train_tasks=100", "checkpoint_every=1", "runner=process", "beta=0"]
+        "eval_samples=1", "train_tasks=100", "checkpoint_every=1", "runner=process", "beta=0", "restarts=10",
+        "max_attempts=10"]
 FIRST = ["remove node", "ray.kill trainer", "SIGSTOP rollout server past its timeout", "fleet add", "fleet remove"]
 
 

@@ -84,6 +84,10 @@ class RLVRConfig(MeshOptions):
     admitted id trains) and the weight of the ids past it (0 drops them); temperature, top_p,
     top_k: how rollouts sample (the objective divides its logits by the same temperature);
     warmup_steps: updates over which the learning rate rises linearly from 0 before the cosine;
+    max_attempts: failed draws (INFRA_ERROR or CANCELLED: a server that died mid-draw, a sandbox
+    that failed) one sample may have before its group is abandoned and the update trains without it
+    (the scheduler's rule; ``scheduler/abandoned_groups`` counts them); raise it where servers are
+    lost often;
     deterministic: two runs of one seed on one machine train the same batches to the same
     parameters: the rollout servers draw batch-invariantly (``Server(batch_invariant=True)``) and
     the scheduler pushes weights only once the draws under the old ones are in and admits in
@@ -125,6 +129,7 @@ class RLVRConfig(MeshOptions):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     warmup_steps: int = Field(0, ge=0)
+    max_attempts: int = Field(3, ge=1)
     deterministic: bool = False
 
     @model_validator(mode="after")
@@ -294,7 +299,7 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
         objective, source, server, width=width, rows=config.tasks_per_step // processes * config.samples,
         tasks=prompt_tasks, groups=config.samples, max_lag=config.max_lag, ahead=config.ahead,
         sync_every=config.sync_every, truncation="score", log=records.append, push=push,
-        deterministic=config.deterministic,
+        max_attempts=config.max_attempts, deterministic=config.deterministic,
     )
     entered: list[float] = []
     tasks: list[list[str]] = []
