@@ -36,21 +36,10 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 import ray
-from ray.exceptions import (
-    ActorPlacementGroupRemoved,
-    ActorUnavailableError,
-    ActorUnschedulableError,
-    GetTimeoutError,
-    RayActorError,
-    RayTaskError,
-)
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayTaskError
 
 from dew.inference import WeightPublisher
-
-# How Ray says an actor will not answer again: it died past its restarts (RayActorError), or Ray cannot place it
-# again because its placement group was removed (a fleet removal while Ray was restarting it after a crash: "Required
-# placement group ... is removed").
-ACTOR_GONE = (RayActorError, ActorUnschedulableError, ActorPlacementGroupRemoved)
+from dew_ray.actor_loss import ACTOR_GONE
 
 
 def host_tree(variables):

@@ -33,7 +33,7 @@ from dew_ray.actors import (  # noqa: E402
     start_rollout_servers,
     start_sandbox_runners,
 )
-from dew_ray.actors.actor_replicas import actor_lost  # noqa: E402
+from dew_ray.actor_loss import actor_lost  # noqa: E402
 from dew_ray.weight_broadcast import WeightBroadcast  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -17,22 +17,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError
+from ray.exceptions import GetTimeoutError
 
 from dew.inference.replica_pool import ReplicaPool
 from dew.inference.rollout_server import ServerDied
-from dew_ray.weight_broadcast import ACTOR_GONE
+from dew_ray.actor_loss import ACTOR_GONE, actor_lost
 
 RESTART_WAIT = 300.0  # seconds a call waits for a restarting actor when every actor of the pool is away
-
-
-def actor_lost(error: BaseException | None) -> str | None:
-    """How Ray says a call failed for want of its actor: "restarting" (``ActorUnavailableError``: its process or node
-    was lost and Ray is starting it again), "dead" (any other ``RayActorError``, or Ray cannot place it again:
-    ``ACTOR_GONE``; no restart is coming), or None (the call failed some other way, or did not fail)."""
-    if isinstance(error, ActorUnavailableError):
-        return "restarting"
-    return "dead" if isinstance(error, ACTOR_GONE) else None
 
 
 def answer(ref, name: str, timeout: float | None):

@@ -46,7 +46,8 @@ from dew.inference import (
 )
 from dew.inference.replica_pool import PooledRolloutServer, ReplicaPool
 from dew.inference.rollout_server import settle
-from dew_ray.actors.actor_replicas import RESTART_WAIT, actor_lost, answer
+from dew_ray.actor_loss import actor_lost
+from dew_ray.actors.actor_replicas import RESTART_WAIT, answer
 from dew_ray.actors.keyed_calls import KeyedCalls
 from dew_ray.weight_broadcast import WeightBroadcast
 from dew.validation import positive_int

@@ -22,7 +22,7 @@ import ray
 from dew.sandbox import Outcome, Program, SandboxFleet, SandboxLimits, default_runner
 from dew_ray.actors.actor_replicas import ActorReplicas
 from dew.validation import positive_int
-from dew_ray.weight_broadcast import ACTOR_GONE
+from dew_ray.actor_loss import ACTOR_GONE
 
 
 class SandboxRunnerHost:
