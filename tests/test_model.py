@@ -187,7 +187,7 @@ def test_unknown_model_and_option_raise():
 
 @pytest.mark.parametrize("weight_axis", [0, 1])
 def test_a_float32_weight_product_differentiates_like_the_plain_product(weight_axis):
-    from dew.models.transformer import weight_product
+    from dew.models.weight_product import weight_product
 
     x = jax.random.normal(jax.random.key(0), (2, 5, 6))
     weight = jax.random.normal(jax.random.key(1), (6, 4) if weight_axis == 0 else (4, 6))
@@ -207,7 +207,7 @@ def test_a_float32_weight_product_differentiates_like_the_plain_product(weight_a
 def test_a_bfloat16_weight_product_differentiates_like_the_plain_product_of_bfloat16_operands(weight_axis):
     # The weight gradient transposes one operand in memory before its product (see _transposed);
     # the sums are the same bfloat16 products accumulated in float32, so the gradients match closely.
-    from dew.models.transformer import weight_product
+    from dew.models.weight_product import weight_product
 
     x = jax.random.normal(jax.random.key(0), (3, 7, 24))
     weight = jax.random.normal(jax.random.key(1), (24, 10) if weight_axis == 0 else (10, 24))
@@ -262,7 +262,7 @@ def test_bfloat16_compute_takes_bfloat16_operands_in_the_backward_pass_too():
 
 
 def test_a_weight_product_refuses_a_contraction_it_was_not_written_for():
-    from dew.models.transformer import weight_product
+    from dew.models.weight_product import weight_product
 
     with pytest.raises(ValueError, match="contracts an activation's last axis with one axis of a 2-D weight"):
         weight_product(jnp.float32)(jnp.ones((2, 3)), jnp.ones((2, 4)), (((0,), (0,)), ((), ())))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dew.models import native, native_product
-from dew.models.transformer import weight_product
+from dew.models.weight_product import weight_product
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from dew import models
+from dew.models.packed_attention import SharedPromptRows
 from dew.objectives.grpo import GRPOObjective
-from dew.records.session_packing import pack
+from dew.records.session_packing import chain_lengths, pack
 from dew.records.session_records import Call, Session, Status, Task
 
 WIDTH = 24
@@ -176,3 +177,132 @@ def test_a_registered_policy_loss_trains_without_editing_the_objective(decoder):
         POLICY_LOSSES.pop("reinforce-test", None)
     with pytest.raises(ValueError, match=r"registered surrogates \['cispo', 'gspo', 'ppo'\], got 'reinforce-test'"):
         GRPOObjective(model, seq_len=WIDTH - 1, policy_loss="reinforce-test")
+
+
+def _groups():
+    """Two tasks, three samples each, every sample of a task drawn from its task's prompt; one sample with a
+    second call that extends its chain; and a group whose prompt is a single id (nothing to share)."""
+    rng = np.random.default_rng(1)
+
+    def call(prompt, sampled):
+        behavior = (-rng.uniform(0.1, 3.0, len(sampled))).tolist()
+        old = (np.asarray(behavior) + rng.normal(0, 0.3, len(sampled))).clip(max=0).tolist()
+        return Call(prompt, sampled, behavior, "stop", 0, old_log_probs=old)
+
+    x, y = [1, 2, 3, 4, 5], [6, 7, 8]
+    first = call(x, [9, 10])
+    return [
+        Session(Task("x"), 0, 0, 0, [first, call(x + [9, 10, 11], [12, 13])], Status.COMPLETED, reward=1.0),
+        Session(Task("x"), 0, 1, 0, [call(x, [14, 15, 16])], Status.COMPLETED, reward=0.0),
+        Session(Task("x"), 0, 2, 0, [call(x, [17])], Status.AGENT_ERROR, reward=0.5),
+        Session(Task("y"), 1, 0, 0, [call(y, [18, 19, 20, 21])], Status.COMPLETED, reward=2.0),
+        Session(Task("y"), 1, 1, 0, [call(y, [22, 23])], Status.COMPLETED, reward=-1.0),
+        Session(Task("z"), 2, 0, 0, [call([24], [25, 26])], Status.COMPLETED, reward=1.0),
+        Session(Task("z"), 2, 1, 0, [call([24], [27])], Status.COMPLETED, reward=0.0),
+    ]
+
+
+def _by_sampled_id(batch, values):
+    """values at the sampled ids, keyed by (session, order of the id within its session)."""
+    out, seen = {}, {}
+    for row, column in zip(*np.nonzero(batch["response_mask"])):
+        session = int(batch["session_index"][row, column])
+        order = seen.get(session, 0)
+        seen[session] = order + 1
+        out[(session, order)] = float(values[row, column])
+    return out
+
+
+@pytest.mark.parametrize("options", [dict(), dict(beta=0.1, behavior_importance=2.0),
+                                     dict(aggregation="session-mean", policy_loss="cispo")],
+                         ids=["ppo", "tis+kl", "session-mean+cispo"])
+def test_shared_prompts_score_and_train_exactly_as_the_plain_layout(decoder, options):
+    model, variables, reference = decoder
+    sessions = _groups()
+    layout = SharedPromptRows(prompt=4, continuations=3, length=6)  # x's longest chain: 10 ids, 4 of them shared
+    plain = pack(sessions, WIDTH)
+    shared = pack(sessions, layout.width, layout=layout)
+    # x's three samples share 4 prompt ids (the prompt but its last id), y's two share 2, z's single-id prompt none:
+    # a row for x, one for y, and one for each z chain
+    assert shared["input_ids"].shape == (4, layout.width)
+    assert (shared["text_segment_ids"] > 0).sum() == (plain["text_segment_ids"] > 0).sum() - (2 * 4 + 1 * 2)
+    assert shared["text_prefix_segments"].max() > 0
+    objective = GRPOObjective(model, seq_len=WIDTH - 1, **options)
+    shared_objective = GRPOObjective(model, seq_len=layout.width - 1, layout=layout, **options)
+    objective.validate(plain)
+    shared_objective.validate(shared)
+    mine = _by_sampled_id(shared, np.asarray(jax.jit(shared_objective.packed_log_probs)(variables, shared)))
+    theirs = _by_sampled_id(plain, np.asarray(jax.jit(objective.packed_log_probs)(variables, plain)))
+    assert mine.keys() == theirs.keys() and len(mine) == 17
+    np.testing.assert_allclose([mine[k] for k in sorted(mine)], [theirs[k] for k in sorted(mine)], atol=1e-5)
+
+    def value_and_grad(objective, batch):
+        return jax.jit(jax.value_and_grad(lambda p: objective.loss(p, reference, batch, None), has_aux=True))(variables)
+
+    (shared_loss, shared_metrics), shared_grad = value_and_grad(shared_objective, shared)
+    (plain_loss, plain_metrics), plain_grad = value_and_grad(objective, plain)
+    assert float(shared_metrics["tokens"]) == float(plain_metrics["tokens"]) == 17
+    np.testing.assert_allclose(shared_loss, plain_loss, rtol=1e-5, atol=1e-6)
+    largest = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(shared_grad), jax.tree.leaves(plain_grad)))
+    scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(plain_grad))
+    assert scale > 1e-4 and largest <= 1e-5 * max(scale, 1.0), (largest, scale)
+
+
+def test_a_group_with_more_samples_than_slots_takes_another_row_with_its_prompt_again():
+    sessions = _groups()[:3]  # x: chains of 10, 8 and 6 ids after a 5-id prompt
+    layout = SharedPromptRows(prompt=4, continuations=2, length=6)
+    assert chain_lengths(sessions, layout.width, layout=layout) == [layout.width] * 2  # a row each
+    batch = pack(sessions, layout.width, layout=layout)
+    assert batch["input_ids"].shape == (2, layout.width)
+    assert (batch["input_ids"][:, :4] == [1, 2, 3, 4]).all()  # the prompt but its last id, in both rows
+    assert (batch["text_prefix_segments"] > 0).sum() == (10 - 4) + (8 - 4) + (6 - 4)
+    with pytest.raises(ValueError, match="a chain of 10 ids .4 of them in a shared prompt., which a slot of 5 ids"):
+        pack(sessions, 14, layout=SharedPromptRows(prompt=4, continuations=2, length=5))
+    with pytest.raises(ValueError, match="not the shared-prompt layout's width 16"):
+        pack(sessions, WIDTH, layout=layout)
+
+
+def test_proximal_current_equals_a_rescore_under_the_trained_weights(decoder):
+    """With one update per batch the rescored old policy is the trained one: skipping the rescore changes nothing."""
+    model, variables, reference = decoder
+    packed = pack(_sessions(), WIDTH)
+    batch = {k: v for k, v in packed.items() if k != "old_log_probs"}
+    rescoring = GRPOObjective(model, seq_len=WIDTH - 1, beta=0.05, behavior_importance=2.0)
+    current = GRPOObjective(model, seq_len=WIDTH - 1, beta=0.05, behavior_importance=2.0, proximal="current")
+    rescored = dict(batch, old_log_probs=np.where(
+        batch["response_mask"] != 0, np.asarray(jax.jit(rescoring.packed_log_probs)(variables, batch)), 0.0))
+    current.validate(batch)  # a TIS cap without old_log_probs is fine when the proximal policy is the current one
+    with pytest.raises(ValueError, match="needs old_log_probs"):
+        rescoring.validate(batch)
+    results = [jax.jit(jax.value_and_grad(lambda p, b, o=o: o.loss(p, reference, b, None), has_aux=True))(variables, b)
+               for o, b in ((rescoring, rescored), (current, batch))]
+    ((loss_a, metrics_a), grad_a), ((loss_b, metrics_b), grad_b) = results
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6, atol=1e-7)
+    for name in ("mismatch/kl", "policy/clipfrac", "kl"):
+        np.testing.assert_allclose(metrics_a[name], metrics_b[name], rtol=1e-5, atol=1e-7)
+    largest = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(grad_a), jax.tree.leaves(grad_b)))
+    assert largest <= 1e-6 * max(float(jnp.abs(a).max()) for a in jax.tree.leaves(grad_a))
+    with pytest.raises(ValueError, match="proximal must be one of"):
+        GRPOObjective(model, seq_len=WIDTH - 1, proximal="rescored")
+
+
+def test_shared_prompts_keep_each_sampled_ids_support(decoder):
+    model, variables, _ = decoder
+    support = [[[4, 9, 17], [5, 4, -1], [6, 30, 2]], [[7, 8, -1], [2, 3, 5]]]
+    sessions = [Session(Task("x"), 0, sample, 0, [Call([1, 2, 3], sampled, [-0.5] * len(sampled), "stop", 0,
+                                                       support=kept)], Status.COMPLETED, reward=float(sample))
+                for sample, (sampled, kept) in enumerate(zip([[4, 5, 6], [7, 2]], support))]
+    objective = GRPOObjective(model, seq_len=WIDTH - 1, sampling_temperature=0.7)
+    scores = jax.jit(objective.packed_log_probs)
+    layout = SharedPromptRows(prompt=2, continuations=2, length=4)
+    plain = pack(sessions, WIDTH, support_capacity=24)
+    shared = pack(sessions, layout.width, support_capacity=24, layout=layout)
+    assert shared["input_ids"].shape[0] == 1 and (shared["text_prefix_segments"] > 0).any()
+    shared_objective = GRPOObjective(model, seq_len=layout.width - 1, sampling_temperature=0.7, layout=layout)
+    mine = _by_sampled_id(shared, np.asarray(jax.jit(shared_objective.packed_log_probs)(variables, shared)))
+    theirs = _by_sampled_id(plain, np.asarray(scores(variables, plain)))
+    np.testing.assert_allclose([mine[k] for k in sorted(theirs)], [theirs[k] for k in sorted(theirs)], atol=1e-5)
+    # the recorded support did restrict the normalisation (it is not the full-vocabulary score)
+    full = _by_sampled_id(plain, np.asarray(scores(variables, {k: v for k, v in plain.items()
+                                                                if not k.startswith("support")})))
+    assert max(abs(full[k] - theirs[k]) for k in theirs) > 1e-3

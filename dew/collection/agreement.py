@@ -34,7 +34,8 @@ from dew.sharding import (
     shard_batch,
 )
 
-RESCORED = ("input_ids", "text_segment_ids", "text_positions", "support_ids", "support_columns")
+RESCORED = ("input_ids", "text_segment_ids", "text_positions", "text_prefix_segments", "support_ids",
+            "support_columns")
 _PADDING = {"support_ids": -1, "support_columns": -1}  # pack's fill for the fields it adds only with supports
 
 

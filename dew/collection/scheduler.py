@@ -37,7 +37,9 @@ is drawn again under whatever is served then, and stays as timing makes it.
 complete group is admitted only if its chains fit N rows beside the groups admitted
 before it (otherwise it is *cut*); a group that cannot fit N rows on its own raises.
 ``old_log_probs`` is rescored under the trainer's current variables (the proximal
-policy); ``behavior_log_probs`` stays as the engine reported it; ``lags`` says how many
+policy), unless the objective takes the trained policy itself as the proximal one
+(``GRPOObjective(proximal="current")``: the same numbers without that forward pass);
+``behavior_log_probs`` stays as the engine reported it; ``lags`` says how many
 updates behind the trained weights each sampled id's weights were (GRPOObjective's
 ``max_token_lag`` reads it).
 
@@ -73,6 +75,7 @@ from dew.collection.tasks import infer_tasks
 from dew.data.dataset import Batch, Dataset, StreamPosition
 from dew.inference.publisher import WeightPublisher
 from dew.losses.advantages import ESTIMATORS
+from dew.models.packed_attention import SharedPromptRows
 from dew.records.session_metrics import session_metrics
 from dew.records.session_packing import chain_lengths, pack, rows_needed
 from dew.records.session_records import TRUNCATIONS, SessionSource, Status, Task
@@ -100,6 +103,8 @@ class RolloutScheduler:
     tasks: ``task_ids``, ``prompt_tasks`` or a callable batch -> list[Task] (None: by fields).
     log: a callable receiving a :class:`SchedulerRecord` per call.
     deterministic: draws under the version submitted at, admission in submission order (see the module docstring).
+    layout: a :class:`~dew.models.packed_attention.SharedPromptRows`: pack each group's prompt once for its samples
+    (``pack(..., layout=...)``), a row per group; ``width`` must be the layout's and ``rows`` the groups of a batch.
     push: on a multi-process trainer, "one" (process 0 loads ``weights``, which serves
     every process's source) or "each" (every process loads its own ``weights``).
     """
@@ -127,6 +132,7 @@ class RolloutScheduler:
         log: Callable[[SchedulerRecord], Any] | None = None,
         push: str = "one",
         deterministic: bool = False,
+        layout: SharedPromptRows | None = None,
     ):
         one_of("push", push, PUSHES)
         if not isinstance(source, SessionSource):
@@ -166,6 +172,9 @@ class RolloutScheduler:
         self.oversample, self.admit, self.support_capacity = oversample, admit, support_capacity
         self.estimator, self.log, self.push = estimator, log, push
         self.deterministic = bool(deterministic)
+        if layout is not None and width != layout.width:
+            raise ValueError(f"width must be the shared-prompt layout's width {layout.width}, got {width}")
+        self.layout = layout
         self.converter = tasks or infer_tasks
         self._rescore = jax.jit(objective.packed_log_probs)
         options = {"rows": rows, "width": width, "sync_every": sync_every, "push": push}
@@ -304,7 +313,10 @@ class RolloutScheduler:
         elif not trainable:
             out = None  # every admitted rollout masked: nothing to train on
         if out is not None:
-            out["old_log_probs"] = self._proximal(variables, out)
+            if getattr(self.objective, "proximal", "batch") == "batch":
+                out["old_log_probs"] = self._proximal(variables, out)
+            else:  # the objective scores the trained policy itself as the proximal one
+                out.pop("old_log_probs", None)
             out["lags"] = token_lags(out["versions"], version)
         versions = [min(c.version for c in s.calls) for s in got.sessions if s.calls]
         oldest = min(versions) if versions else None
@@ -344,7 +356,7 @@ class RolloutScheduler:
         out, metrics = None, {}
         if sessions:
             out = pack(sessions, self.width, rows=self.rows, estimator=self.estimator, truncation=self.truncation,
-                       support_capacity=self.support_capacity)
+                       support_capacity=self.support_capacity, layout=self.layout)
             metrics = session_metrics(sessions, out, latencies, version=version, truncation=self.truncation)
         return Admitted(out=out, sessions=sessions, metrics=metrics, groups=len(admitted), cut=cut,
                          abandoned=sum(g.state == "abandoned" for g in entry.groups), causes=causes,
@@ -438,7 +450,7 @@ class RolloutScheduler:
                     continue
                 group.state = "complete"
                 stats["cancellations"] += self._close_group(group)  # oversampled extras
-                own = chain_lengths([s for s, _ in group.admitted], self.width, self.truncation)
+                own = chain_lengths([s for s, _ in group.admitted], self.width, self.truncation, self.layout)
                 if rows_needed(own, self.width) > self.rows:
                     raise ValueError(
                         f"group {group.group} (task {group.task.id!r}) packs into {rows_needed(own, self.width)} rows "

@@ -20,8 +20,13 @@ them procedurally from a seed:
   a completion's scoring time, and scoring is the slowest part of a batch when the
   policy writes many distinct programs. There are 125 specifications (five aggregates
   of a and b, each bare or plus, minus or times a number 2..9).
+- ``word`` (data source ``dew/word_problems``): one-step word problems asked as a chat
+  message, for a real chat model (:mod:`dew.data.word_problems`): "Mia has 12 stickers and
+  gets 7 more. How many stickers does Mia have now? Give the answer as a number at the end."
+  The ground truth is the answer as an integer string, which
+  :class:`~dew.sandbox.LastNumberReward` compares with the completion's last number.
 
-Numbers in prompts are words ("seven", not "7"): in a short warm start a tiny decoder
+In the ``math`` and ``code`` families numbers in prompts are words ("seven", not "7"): in a short warm start a tiny decoder
 learns to read a word of several characters long before it learns to copy a lone
 digit, and without reading the prompt its reward stays near zero.
 
@@ -58,12 +63,13 @@ from dew.data.chat import Role
 from dew.data.dataset import Dataset
 from dew.data.loading import Loading, row_stream
 from dew.data.document_packing import pack_documents
+from dew.data.word_problems import WORD_SOURCE, word_problem
 from dew.validation import distinct, positive_int
 
 
 MATH_SOURCE = "dew/arithmetic"
 CODE_SOURCE = "dew/expression_code"
-FAMILIES = {"math": MATH_SOURCE, "code": CODE_SOURCE}
+FAMILIES = {"math": MATH_SOURCE, "code": CODE_SOURCE, "word": WORD_SOURCE}
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<|unk|>"
@@ -98,10 +104,12 @@ CODE_HARNESS = ("python3", "-S", "-I", "-c",
 class VerifiableTask:
     """One generated task.
 
-    family: "math" or "code"; data_source: the reward route (``MATH_SOURCE`` or
-    ``CODE_SOURCE``); prompt: the text the model continues; answer: a reference
-    completion that scores 1.0; ground_truth: what the family's reward reads;
-    extra_info: the task's parameters (operands, operator, specification, index).
+    family: "math", "code" or "word"; data_source: the reward route (``MATH_SOURCE``,
+    ``CODE_SOURCE`` or ``WORD_SOURCE``); prompt: the text the model continues (or, with
+    ``chat``, the user message it answers); answer: a reference completion that scores 1.0;
+    ground_truth: what the family's reward reads; extra_info: the task's parameters
+    (operands, operator, specification, index); chat: the row's prompt is a list of chat
+    messages, rendered by the model's chat template.
     """
 
     family: str
@@ -110,12 +118,13 @@ class VerifiableTask:
     answer: str
     ground_truth: str
     extra_info: Mapping[str, Any]
+    chat: bool = False
 
     def row(self) -> dict[str, Any]:
         """The task as a verl-style row, as :class:`~dew.data.Prompts` reads it."""
         return {
             "data_source": self.data_source,
-            "prompt": self.prompt,
+            "prompt": [{"role": "user", "content": self.prompt}] if self.chat else self.prompt,
             "ability": self.family,
             "reward_model": {"style": "rule", "ground_truth": self.ground_truth},
             "extra_info": dict(self.extra_info),
@@ -197,7 +206,18 @@ def code_task(rng: random.Random, index: int = 0, split: str = TRAIN) -> Verifia
     )
 
 
-_MAKERS: dict[str, Callable[[random.Random, int, str], VerifiableTask]] = {"math": math_task, "code": code_task}
+def word_task(rng: random.Random, index: int = 0, split: str = TRAIN) -> VerifiableTask:
+    """A one-step word problem of ``split`` drawn from ``rng``, asked as a chat message (:mod:`dew.data.word_problems`)."""
+    problem = word_problem(rng, held_out=split == HELD_OUT)
+    return VerifiableTask(
+        family="word", data_source=WORD_SOURCE, prompt=problem["question"], answer=problem["answer"],
+        ground_truth=str(problem["number"]), extra_info={"index": index, **problem["extra_info"], "split": split},
+        chat=True,
+    )
+
+
+_MAKERS: dict[str, Callable[[random.Random, int, str], VerifiableTask]] = {"math": math_task, "code": code_task,
+                                                                          "word": word_task}
 
 
 def verifiable_tasks(count: int, seed: int = 0, families: Sequence[str] = ("math", "code"),

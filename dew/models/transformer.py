@@ -7,6 +7,13 @@ One module serves training and generation:
   ``[batch, length, vocab]``. ``segment_ids`` (0 marks padding) and ``positions`` keep
   attention and rotary positions inside each document when several are packed into
   one row, so a packed row gives the same logits as each document alone.
+  ``prefix_segments`` [batch, length] (0 for none) names, for each id, a segment of its row
+  that it also attends to in full: several continuations of one shared prompt, each its
+  own segment, read the prompt's segment as their prefix (positions continuing it), so the
+  prompt is computed once for all of them; ``layout`` (a
+  :class:`~dew.models.packed_attention.SharedPromptRows`) says the rows hold one prompt and
+  its continuations in fixed slots, so attention computes only the blocks the mask allows
+  (``pack(..., layout=...)`` writes such rows).
 - ``model.apply(variables, tokens, cache=cache, lengths=...)`` is the decode path: it
   appends ``lengths[b]`` valid ids of each row to a :class:`KVCache` (prefill is a
   call with the whole prompt, decoding a call with one id per row) and returns
@@ -42,15 +49,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dew.models import native_product
 from dew.models.native_attention import decode_attention
+from dew.models.packed_attention import SharedPromptRows, accumulation, attend, attend_shared
+from dew.models.weight_product import weight_product
 from dew.parallelism import constrain_rows
 
 MLP_ACTIVATIONS = ("swiglu", "gelu")
@@ -159,98 +166,6 @@ def rotary(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
     return (x.astype(cos.dtype) * cos + rotated * sin).astype(x.dtype)
 
 
-def weight_product(dtype, result_dtype=jnp.float32):
-    """A ``dot_general`` whose operands are cast to ``dtype``, accumulating in float32, returning ``result_dtype``.
-
-    With bfloat16 weights this is the served-precision product: bfloat16 operands (the
-    weights stay as stored; XLA folds the upcast and downcast of the kernel away) with a
-    float32 result, which CPUs with AVX512-BF16 or AMX and GPUs run natively. Its
-    gradients are the same kind of product (see :func:`_activation_weight_product`).
-    """
-
-    def dot_general(lhs, rhs, dimension_numbers, precision=None, **_):
-        # Every weight product here contracts an activation's last axis with one axis of a
-        # 2-D weight (nn.Dense's kernel, or the tied embedding read as the output layer).
-        (lhs_contract, rhs_contract), batch_dims = dimension_numbers
-        if batch_dims != ((), ()) or rhs.ndim != 2 or tuple(lhs_contract) != (lhs.ndim - 1,) or len(rhs_contract) != 1:
-            raise ValueError(
-                "weight_product contracts an activation's last axis with one axis of a 2-D weight, got "
-                f"dimension_numbers={dimension_numbers} for shapes {lhs.shape} and {rhs.shape}"
-            )
-        product = _activation_weight_product(
-            jnp.dtype(dtype), int(rhs_contract[0]), jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), lhs, rhs
-        )
-        return product.astype(result_dtype)
-
-    return dot_general
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _activation_weight_product(dtype, weight_axis, x_dtype, weight_dtype, x, weight):
-    """``x [..., in]`` times a 2-D ``weight`` contracted on ``weight_axis``: float32 out of ``dtype`` operands.
-
-    ``x_dtype`` and ``weight_dtype`` are the operands' own dtypes, which their gradients take.
-    """
-    return _forward_product(x.astype(dtype), weight.astype(dtype), weight_axis)
-
-
-def accumulation(dtype) -> jnp.dtype:
-    """What products and scores of ``dtype`` accumulate in: float32, or float64 for a float64 model."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _contract(lhs, rhs, contracting):
-    return jax.lax.dot_general(lhs, rhs, (contracting, ((), ())), preferred_element_type=accumulation(lhs.dtype))
-
-
-def _forward_product(x, weight, weight_axis: int):
-    """The forward weight product; a decode step's few bfloat16 rows go to dew's CPU kernel (native_product)."""
-    rows = math.prod(x.shape[:-1])
-    if x.dtype == weight.dtype == jnp.bfloat16 and native_product.applies(rows):
-        return native_product.product(x, weight, out_in=weight_axis == 1)
-    return _contract(x, weight, ((x.ndim - 1,), (weight_axis,)))
-
-
-def _activation_weight_product_forward(dtype, weight_axis, x_dtype, weight_dtype, x, weight):
-    # The operands are kept as the product read them: half the memory of float32 activations
-    # with bfloat16 operands, and no second cast in the backward pass.
-    x_low, weight_low = x.astype(dtype), weight.astype(dtype)
-    return _forward_product(x_low, weight_low, weight_axis), (x_low, weight_low)
-
-
-def _activation_weight_product_backward(dtype, weight_axis, x_dtype, weight_dtype, saved, grad):
-    # Both gradients are products of ``dtype`` operands accumulated in float32, like the forward
-    # product. The barrier keeps XLA from fusing the (transposing) operand layout the weight
-    # gradient wants into the elementwise code that produced ``grad`` (a SwiGLU's derivative, say):
-    # a transposed write inside an elementwise loop ran several times slower than the loop and a
-    # separate transpose on this CPU.
-    x_low, weight_low = saved
-    grad = jax.lax.optimization_barrier(grad.astype(dtype))
-    grad_x = _contract(grad, weight_low, ((grad.ndim - 1,), (1 - weight_axis,)))
-    rows_x, rows_grad = x_low.reshape(-1, x_low.shape[-1]), grad.reshape(-1, grad.shape[-1])
-    # The weight gradient contracts the token axis. Given rows [tokens, features] to contract on
-    # axis 0, XLA's CPU dot ran bfloat16 operands at its float32 rate (about 190 against 400
-    # GFLOP/s at 256 tokens on this CPU); with the left operand copied transposed first (tokens x
-    # features: 78 MB for the tied output layer's gradient at 256 tokens of a 151,936 vocabulary,
-    # a few hundred KB elsewhere) it runs at the bfloat16 rate. float32 gained nothing from the copy.
-    rows_first, rows_second = (rows_x, rows_grad) if weight_axis == 0 else (rows_grad, rows_x)
-    if rows_first.dtype == jnp.bfloat16:  # weight [in, out]: x.T @ grad; [out, in] (tied output): grad.T @ x
-        grad_weight = _contract(_transposed(rows_first), rows_second, ((1,), (0,)))
-    else:
-        grad_weight = _contract(rows_first, rows_second, ((0,), (0,)))
-    return grad_x.astype(x_dtype), grad_weight.astype(weight_dtype)
-
-
-def _transposed(rows: jax.Array) -> jax.Array:
-    """``rows.T`` laid out row-major in memory: flattening forces the copy, which XLA would otherwise
-    fold into the product as a transposed operand layout."""
-    flat = jax.lax.optimization_barrier(rows.T.reshape(-1))
-    return flat.reshape(rows.shape[1], rows.shape[0])
-
-
-_activation_weight_product.defvjp(_activation_weight_product_forward, _activation_weight_product_backward)
-
-
 def _product(dtype, matmul_dtype):
     """The weight product of a layer: ``matmul_dtype`` operands with a float32 result, or the compute dtype's."""
     return weight_product(dtype, dtype) if matmul_dtype is None else weight_product(matmul_dtype)
@@ -274,7 +189,7 @@ class Attention(nn.Module):
     matmul_dtype: jnp.dtype | None = None
 
     @nn.compact
-    def __call__(self, x, rotation, mask, write=None):
+    def __call__(self, x, rotation, mask, write=None, layout: SharedPromptRows | None = None):
         batch, length, _ = x.shape
         dense = lambda features, name, bias: _dense(  # noqa: E731
             features, name, bias, self.dtype, self.param_dtype, self.matmul_dtype
@@ -302,18 +217,12 @@ class Attention(nn.Module):
             # A decode step: the mask is each row's prefix of the cache (its positions so far).
             counts = mask[:, 0].sum(-1, dtype=jnp.int32)
             out = decode_attention(q[:, 0], _blocks(k), _blocks(v), counts, self.dtype)[:, None]
+        elif layout is not None and write is None:
+            out = attend_shared(q, k, v, mask, self.dtype, layout)
         else:
             if isinstance(k, tuple):  # a prefill that reads a blocked cache
                 k, v = jnp.concatenate(k, axis=-1), jnp.concatenate(v, axis=-2)
-            # Scores as [B, K, T, G, S]: moving the kv-head axis ahead of the positions moves runs of
-            # G x D values, where [B, K, G, T, S] would transpose single values (several times slower
-            # in XLA's CPU loops, forward and backward).
-            wide = accumulation(q.dtype)
-            scores = jnp.einsum(f"btkgd,{key_spec}->bktgs", q, k.astype(q.dtype), preferred_element_type=wide)
-            scores = scores / jnp.sqrt(wide.type(self.head_dim))
-            scores = jnp.where(mask[:, None, :, None], scores, jnp.finfo(wide).min)
-            weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-            out = jnp.einsum(f"bktgs,{value_spec}->btkgd", weights, v.astype(self.dtype))
+            out = attend(q, k, v, mask, self.dtype, key_spec, value_spec)
         out = out.reshape(batch, length, self.num_heads * self.head_dim)
         return dense(x.shape[-1], "o_proj", False)(out)
 
@@ -359,7 +268,7 @@ class Block(nn.Module):
     config: LayerOptions
 
     @nn.compact
-    def __call__(self, x, rotation, mask, write=None):
+    def __call__(self, x, rotation, mask, write=None, layout: SharedPromptRows | None = None):
         c = self.config
         norm = lambda name: nn.RMSNorm(  # noqa: E731
             epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name
@@ -368,7 +277,7 @@ class Block(nn.Module):
             c.num_heads, c.kv_heads, c.head_size, c.rope_theta, c.norm_eps, c.qk_norm,
             c.attention_bias, c.dtype, c.param_dtype, c.matmul_dtype, name="self_attn",
         )
-        x = x + attention(norm("input_layernorm")(x), rotation, mask, write)
+        x = x + attention(norm("input_layernorm")(x), rotation, mask, write, layout)
         mlp = MLP(c.mlp_features, c.mlp_activation, c.dtype, c.param_dtype, c.matmul_dtype, name="mlp")
         return x + mlp(norm("post_attention_layernorm")(x))
 
@@ -407,7 +316,7 @@ class CausalTransformer(nn.Module):
     @nn.compact
     def __call__(
         self, tokens, segment_ids=None, positions=None, cache: KVCache | None = None, lengths=None, rows=None,
-        logits_at=None, hidden: bool = False,
+        logits_at=None, hidden: bool = False, prefix_segments=None, layout: SharedPromptRows | None = None,
     ):
         batch, length = tokens.shape
         embed = nn.Embed(
@@ -416,7 +325,7 @@ class CausalTransformer(nn.Module):
         )
         x = constrain_rows(embed(tokens))
         if cache is None:
-            mask, positions = self._packed_mask(batch, length, segment_ids, positions)
+            mask, positions = self._packed_mask(batch, length, segment_ids, positions, prefix_segments)
             write = None
         elif rows is not None:
             if segment_ids is None or positions is None:
@@ -434,10 +343,11 @@ class CausalTransformer(nn.Module):
         rotation = rotary_table(positions, self.head_size, self.rope_theta, accumulation(self.dtype))
         block = Block
         if REMAT_POLICIES[self.remat] is not None and cache is None:
-            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat])  # same names: the parameters do not change
+            # same names: the parameters do not change; the cache writer and the row layout are Python values
+            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], static_argnums=(4, 5))
         for layer in range(self.num_layers):
             layer_write = None if write is None else functools.partial(write, layer)
-            x = constrain_rows(block(options, name=f"layers_{layer}")(x, rotation, mask, layer_write))
+            x = constrain_rows(block(options, name=f"layers_{layer}")(x, rotation, mask, layer_write, layout))
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         x = nn.RMSNorm(epsilon=self.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
@@ -456,14 +366,17 @@ class CausalTransformer(nn.Module):
             return logits
         return logits, KVCache(tuple(written["keys"]), tuple(written["values"]), cache.lengths + lengths)
 
-    def _packed_mask(self, batch, length, segment_ids, positions):
+    def _packed_mask(self, batch, length, segment_ids, positions, prefix_segments=None):
         if segment_ids is None:
             segment_ids = jnp.ones((batch, length), jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         causal = jnp.tril(jnp.ones((length, length), bool))
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        return causal[None] & same, positions
+        mask = causal[None] & same
+        if prefix_segments is not None:  # and the whole of the prefix segment each id names
+            mask |= (prefix_segments[:, :, None] == segment_ids[:, None, :]) & (prefix_segments[:, :, None] > 0)
+        return mask, positions
 
     def _cache_mask(self, cache, batch, length, positions, lengths):
         start = cache.lengths  # [B]

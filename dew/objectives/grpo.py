@@ -4,8 +4,9 @@ The batch is what :func:`dew.records.session_packing.pack` builds (``SampledRoll
 and the schedulers use it): ``[rows, seq_len + 1]`` columns ``input_ids``,
 ``text_segment_ids``, ``text_positions``, ``response_mask``, ``behavior_log_probs``,
 ``advantages`` and ``session_index``, optionally ``old_log_probs`` (raw old-policy
-likelihoods) and ``support_ids``/``support_columns``. Each id is scored against its own
-chain's prefix (:meth:`GRPOObjective.packed_log_probs`).
+likelihoods), ``support_ids``/``support_columns`` and ``text_prefix_segments`` (a group's
+prompt written once for its samples: ``pack(..., share_prompts=True)``). Each id is scored
+against its own chain's prefix (:meth:`GRPOObjective.packed_log_probs`).
 
 The policy term is a clipped ratio between the current and the old raw policy
 (``policy_loss``: "ppo", "gspo", "cispo" or any surrogate registered with
@@ -29,6 +30,13 @@ k updates older than the weights being trained (the batch's ``lags`` column, whi
 with ``stale_token_weight=w`` in (0, 1) such ids are down-weighted by w instead. Whenever a
 batch has ``lags`` the loss reports ``lag/share_0``, ``lag/share_1`` and ``lag/share_2plus``,
 the share of trainable ids at each lag.
+
+``proximal="current"`` takes the old policy to be the one being trained, detached, in place of a
+batch's ``old_log_probs``: the same numbers a rescoring under the trainer's weights gives when
+each batch makes one optimizer update (the Trainer's rollout, where the scheduler rescored with
+a forward pass of its own), without that pass (:class:`~dew.collection.scheduler.RolloutScheduler`
+skips it for such an objective). A TIS cap then weighs each id by ``min(exp(current - behavior), c)``.
+It is wrong where one batch makes several updates (PPO epochs), so it is an option, not a guess.
 
 Without ``old_log_probs`` the loss runs in verl's bypass mode: the behaviour
 likelihoods stand in for the old policy, the band and the sequence masks compare the
@@ -60,10 +68,12 @@ from dew.objectives.base import (
 from dew.objectives.lm import token_log_probs
 from dew.losses import policy as losses
 from dew.losses.policy import AGGREGATIONS
+from dew.models.packed_attention import SharedPromptRows
 from dew.validation import band, integer, number, one_of, positive
 
 REQUIRED = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "behavior_log_probs", "advantages")
-INTEGER = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "lags")
+INTEGER = ("input_ids", "text_segment_ids", "text_positions", "response_mask", "lags", "text_prefix_segments")
+PROXIMAL = ("batch", "current")
 _UNSET = object()
 
 
@@ -74,7 +84,11 @@ class GRPOObjective(Objective):
     ``SampledRollout``). beta: the k3 KL coefficient (0 keeps no reference).
     pretrained: a full Flax variables mapping to start from (and the reference).
     epsilon_low, epsilon_high: the clip range; dual_clip: the dual-clip bound for
-    negative advantages (``None`` turns it off; "ppo" only).
+    negative advantages (``None`` turns it off; "ppo" only). proximal: "batch" (the old
+    policy is the batch's ``old_log_probs``, or behaviour in bypass mode) or "current" (the
+    trained policy, detached: see the module docstring). layout: the batches' rows hold one shared prompt and its
+    samples (:class:`~dew.models.packed_attention.SharedPromptRows`, as ``pack(..., layout=...)`` writes them),
+    so attention computes only the blocks they need; ``seq_len + 1`` must be its width.
     """
 
     def __init__(
@@ -94,6 +108,8 @@ class GRPOObjective(Objective):
         sampling_temperature: float | None = None,
         max_token_lag: int | None = None,
         stale_token_weight: float = 0.0,
+        proximal: str = "batch",
+        layout: SharedPromptRows | None = None,
         ema_decay=_UNSET,
     ):
         if ema_decay is not _UNSET:
@@ -127,6 +143,10 @@ class GRPOObjective(Objective):
                                          why="the weight of ids older than max_token_lag: 0 drops them")
         if self.stale_token_weight and self.max_token_lag is None:
             raise ValueError("stale_token_weight needs max_token_lag: the lag past which ids are down-weighted")
+        self.proximal = one_of("proximal", proximal, PROXIMAL)
+        if layout is not None and layout.width != self.seq_len + 1:
+            raise ValueError(f"seq_len + 1 = {self.seq_len + 1} must be the shared-prompt layout's width {layout.width}")
+        self.layout = layout
         self.ema_decay = 1.0 if self.beta > 0 else None
 
     # ----- host checks -----------------------------------------------------------------------
@@ -139,7 +159,8 @@ class GRPOObjective(Objective):
             raise ValueError(f"{owner}: max_token_lag={self.max_token_lag} needs the batch field 'lags' (each sampled "
                              f"id's updates behind the trained weights, as RolloutScheduler writes it); the batch has "
                              f"{sorted(batch)}")
-        for field in REQUIRED + tuple(f for f in ("old_log_probs", "session_index", "lags") if f in batch):
+        for field in REQUIRED + tuple(f for f in ("old_log_probs", "session_index", "lags", "text_prefix_segments")
+                                      if f in batch):
             value = require_field(batch, field, owner)
             shape = np.shape(value)
             if len(shape) != 2 or shape[1] != width or (rows is not None and shape[0] != rows):
@@ -176,7 +197,7 @@ class GRPOObjective(Objective):
         advantages = np.asarray(batch["advantages"], np.float64)
         if not np.isfinite(advantages).all():
             raise ValueError(f"{owner}: advantages holds a non-finite value at row {int(np.argwhere(~np.isfinite(advantages))[0, 0])}")
-        if "old_log_probs" not in batch and isinstance(self.behavior_importance, float):
+        if "old_log_probs" not in batch and isinstance(self.behavior_importance, float) and self.proximal == "batch":
             raise ValueError(
                 f"{owner}: behavior_importance={self.behavior_importance} (a TIS cap) needs old_log_probs; without them "
                 "the loss runs in verl's bypass mode, where the ratio already is current over behaviour and a cap "
@@ -195,9 +216,15 @@ class GRPOObjective(Objective):
         where ``support_ids`` are present, normalised over the sampled id's support only.
         """
         ids, segments = batch["input_ids"], batch["text_segment_ids"]
-        logits = self.model.apply(
-            params, ids[:, :-1], segment_ids=segments[:, :-1], positions=batch["text_positions"][:, :-1]
-        )
+        prefix = batch.get("text_prefix_segments")
+        if self.layout is None:
+            logits = self.model.apply(
+                params, ids[:, :-1], segment_ids=segments[:, :-1], positions=batch["text_positions"][:, :-1],
+                prefix_segments=None if prefix is None else prefix[:, :-1],
+            )
+        else:  # the whole row keeps the layout's slots; the last id predicts nothing
+            logits = self.model.apply(params, ids, segment_ids=segments, positions=batch["text_positions"],
+                                      prefix_segments=prefix, layout=self.layout)[:, :-1]
         if self.sampling_temperature is not None:
             logits = logits / self.sampling_temperature
         scores = token_log_probs(logits, ids[:, 1:])
@@ -215,8 +242,11 @@ class GRPOObjective(Objective):
         mask = (batch["response_mask"][:, 1:] != 0).astype(jnp.float32)
         behavior = batch["behavior_log_probs"][:, 1:]
         advantages = batch["advantages"][:, 1:]
-        bypass = "old_log_probs" not in batch
-        old = behavior if bypass else batch["old_log_probs"][:, 1:]
+        bypass = "old_log_probs" not in batch and self.proximal == "batch"
+        if self.proximal == "current":
+            old = jax.lax.stop_gradient(current)
+        else:
+            old = behavior if bypass else batch["old_log_probs"][:, 1:]
         # Chains: (row, segment) pairs; sessions: session_index remapped to dense ids.
         chain_ids = jnp.where(mask > 0, jnp.arange(rows)[:, None] * (width + 1) + batch["text_segment_ids"][:, 1:], 0)
         chains = rows * (width + 1)

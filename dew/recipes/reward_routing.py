@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from dew.recipes.function_reference import FunctionReference, function_reference
-from dew.data.verifiable import CODE_HARNESS, CODE_SOURCE, MATH_SOURCE
-from dew.sandbox.verifiable_rewards import CodeReward, GSM8KReward, MathReward, last_python_block
+from dew.data.verifiable import CODE_HARNESS, CODE_SOURCE, MATH_SOURCE, WORD_SOURCE
+from dew.sandbox.verifiable_rewards import CodeReward, GSM8KReward, LastNumberReward, MathReward, last_python_block
 from dew.validation import positive_int
 
 GSM8K_SOURCE = "openai/gsm8k"
@@ -27,7 +27,7 @@ GSM8K_SOURCE = "openai/gsm8k"
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 
 
-VERIFIABLE_SOURCES = (MATH_SOURCE, CODE_SOURCE, GSM8K_SOURCE, *MATH_SOURCES)  # verifiable_reward's routes
+VERIFIABLE_SOURCES = (MATH_SOURCE, CODE_SOURCE, WORD_SOURCE, GSM8K_SOURCE, *MATH_SOURCES)  # verifiable_reward's routes
 
 
 def check_sources(sources: Iterable[str], routes: Iterable[str], where: str = "the prompts") -> None:
@@ -117,7 +117,8 @@ class CachedCodeReward:
 
 def verifiable_reward(fleet, all_or_nothing: bool = False, cache: bool = True, default: str | None = None) -> RoutedReward:
     """The verifiable routes: MathReward for ``MATH_SOURCE`` and :data:`MATH_SOURCES`, verl's GSM8K rule
-    (GSM8KReward, strict) for ``openai/gsm8k``, CodeReward on ``fleet`` for ``CODE_SOURCE``.
+    (GSM8KReward, strict) for ``openai/gsm8k``, LastNumberReward for ``WORD_SOURCE`` (the built-in word
+    problems), CodeReward on ``fleet`` for ``CODE_SOURCE``.
 
     Code completions run under :data:`CODE_HARNESS`; with ``cache`` each distinct
     program runs once per task (:class:`CachedCodeReward`). ``fleet`` is a
@@ -129,7 +130,8 @@ def verifiable_reward(fleet, all_or_nothing: bool = False, cache: bool = True, d
     code = CodeReward(fleet, all_or_nothing=all_or_nothing, argv=CODE_HARNESS)
     math = MathReward()
     return RoutedReward({MATH_SOURCE: math, CODE_SOURCE: CachedCodeReward(code) if cache else code,
-                         GSM8K_SOURCE: GSM8KReward(), **{source: math for source in MATH_SOURCES}}, default=default)
+                         WORD_SOURCE: LastNumberReward(), GSM8K_SOURCE: GSM8KReward(),
+                         **{source: math for source in MATH_SOURCES}}, default=default)
 
 
 def reward_function(spec: str, cwd: str | Path | None = None) -> FunctionReference:

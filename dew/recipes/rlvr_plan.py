@@ -25,7 +25,7 @@ from dew.recipes.calculator_environment import calculator_demonstrations
 from dew.recipes.function_reference import FunctionReference, function_reference
 from dew.recipes.judge_reward import first_number
 from dew.recipes.reward_routing import VERIFIABLE_SOURCES, check_sources, reward_function
-from dew.recipes.rlvr_recipe import built_in_tasks, decoder
+from dew.recipes.rlvr_recipe import built_in_tasks, decoder, packed_shape
 from dew.recipes.run_environment import environment_factory
 from dew.recipes.run_inputs import DTYPES, FittedPrompts, Policy, fit_prompts, load_policy, read_prompt_rows
 from dew.models.pretrained import Pretrained
@@ -121,6 +121,9 @@ def _plan(config) -> RunPlan:
         policy = load_policy(config.model, config.tokenizer, config.dtype)
         tasks = None  # a user's model has no built-in warm start
     else:
+        if "word" in config.families:
+            raise PlanError("config field 'families' includes \"word\", which needs 'model': the word problems are "
+                            "chat messages for a real chat model, and the built-in decoder reads characters")
         policy = Policy(None, None, task_tokenizer(), None, "the built-in decoder, warm-started on "
                         + (f"{config.warm_start}" if config.warm_start else "the built-in demonstrations"))
     tokenizer = policy.tokenizer
@@ -149,7 +152,8 @@ def _plan(config) -> RunPlan:
                 raise PlanError(f"config field 'max_new_tokens' ({config.max_new_tokens}) is shorter than the longest "
                                 f"reference answer of the tasks ({answer} ids with EOS): the warm start could not "
                                 "show it and no completion could reach it")
-        model = decoder(len(tokenizer), max_seq_len=width, engine=config.engine)
+        # sized to hold a packed row of shared prompts too (RLVRConfig.share_prompts): positions stay below width
+        model = decoder(len(tokenizer), max_seq_len=packed_shape(config, width, prompt_len, True)[0], engine=config.engine)
         policy = dataclasses.replace(policy, model=model, pretrained=Pretrained.from_model(model))
     elif width > policy.model.max_seq_len:
         longest = (f"max_prompt_length={config.max_prompt_length}" if config.max_prompt_length

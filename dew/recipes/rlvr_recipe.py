@@ -47,6 +47,7 @@ from dew.data.verifiable import (
 )
 from dew.inference.rollout_server import RolloutServer, ServerDied
 from dew.losses.policy import lag_shares
+from dew.models.packed_attention import SharedPromptRows
 from dew.objectives import LMObjective
 from dew.objectives.grpo import GRPOObjective
 from dew.optimizers import skip_empty_updates
@@ -62,7 +63,9 @@ DRAW_ATTEMPTS = 4  # a held-out draw whose server dies is drawn again, on anothe
 class RLVRConfig(MeshOptions):
     """Options of the built-in RLVR run, checked when built (``dew.config``: named errors, TOML and overrides).
 
-    steps: GRPO updates; seed: tasks, initialisation, SFT order and sampling seeds;
+    steps: GRPO updates; seed: tasks, initialisation, SFT order and sampling seeds; families: the built-in task
+    families a run without prompts trains on (:mod:`dew.data.verifiable`: "math" and "code" for the built-in decoder,
+    "word", one-step word problems asked as chat messages, for a real chat model);
     max_lag, ahead, sync_every: the scheduler's staleness bound, batches submitted ahead
     of the one trained on and updates between weight pushes (max_lag >= ahead +
     sync_every - 1); tasks_per_step: prompts per GRPO batch; samples: completions per
@@ -88,6 +91,9 @@ class RLVRConfig(MeshOptions):
     that failed) one sample may have before its group is abandoned and the update trains without it
     (the scheduler's rule; ``scheduler/abandoned_groups`` counts them); raise it where servers are
     lost often;
+    share_prompts: pack each group's prompt once for its samples (``pack(..., share_prompts=True)``: the same
+    log-probabilities and loss, and the update's forward and backward pass over about half the ids for 8 samples of
+    a 60-id prompt); single-turn draws only (an environment's episodes are packed a chain each);
     deterministic: two runs of one seed on one machine train the same batches to the same
     parameters: the rollout servers draw batch-invariantly (``Server(batch_invariant=True)``) and
     the scheduler pushes weights only once the draws under the old ones are in and admits in
@@ -101,6 +107,7 @@ class RLVRConfig(MeshOptions):
 
     steps: int = Field(80, ge=1)
     seed: int = Field(0, ge=0)
+    families: list[Literal["math", "code", "word"]] = Field(["math", "code"], min_length=1)
     max_lag: int = Field(1, ge=0)
     ahead: int = Field(1, ge=0)
     sync_every: int = Field(1, ge=1)
@@ -130,6 +137,7 @@ class RLVRConfig(MeshOptions):
     top_k: int | None = Field(None, ge=1)
     warmup_steps: int = Field(0, ge=0)
     max_attempts: int = Field(3, ge=1)
+    share_prompts: bool = True
     deterministic: bool = False
 
     @model_validator(mode="after")
@@ -143,6 +151,8 @@ class RLVRConfig(MeshOptions):
         if self.warmup_steps >= self.steps:
             raise ValueError(f"config field 'warmup_steps' ({self.warmup_steps}) must be less than steps "
                              f"({self.steps}): the learning rate would never leave its warm-up")
+        if len(set(self.families)) != len(self.families):
+            raise ValueError(f"config field 'families' names a family twice: {self.families}")
         if self.stale_token_weight and self.max_token_lag is None:
             raise ValueError(f"config field 'stale_token_weight' ({self.stale_token_weight:g}) needs max_token_lag, "
                              "the lag past which sampled ids are down-weighted")
@@ -226,8 +236,9 @@ def warm_start(model, tokenizer, tasks: Sequence[VerifiableTask], width: int, st
 
 def built_in_tasks(config: RLVRConfig) -> tuple[list[VerifiableTask], list[VerifiableTask]]:
     """The run's training tasks and its held-out tasks (the held-out split, from another stream of seeds)."""
-    train = verifiable_tasks(config.train_tasks, seed=config.seed)
-    return train, verifiable_tasks(config.eval_tasks, seed=EVAL_SEED_OFFSET + config.seed, split=HELD_OUT)
+    train = verifiable_tasks(config.train_tasks, seed=config.seed, families=config.families)
+    return train, verifiable_tasks(config.eval_tasks, seed=EVAL_SEED_OFFSET + config.seed, families=config.families,
+                                   split=HELD_OUT)
 
 
 @dataclasses.dataclass
@@ -287,19 +298,21 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
     processes = jax.process_count()
     if config.tasks_per_step % processes:
         raise ValueError(f"tasks_per_step={config.tasks_per_step} must divide over {processes} trainer processes")
-    width = width or prompt_len + config.max_new_tokens  # one chain: the prompt, then the response(s)
-    objective = grpo_objective(config, model, params, width)
     owned = source is None
+    width = width or prompt_len + config.max_new_tokens  # one chain: the prompt, then the response(s)
+    width, batch_rows, layout = packed_shape(config, width, prompt_len, config.share_prompts and owned, model,
+                                             processes)
+    objective = grpo_objective(config, model, params, width, layout)
     if owned:
         source = PromptSource(server, reward, decode=functools.partial(tokenizer.decode, skip_special_tokens=True),
                               max_new_tokens=config.max_new_tokens, eos_ids=eos_ids or (tokenizer.eos_token_id,),
                               workers=score_workers)
     records: list[SchedulerRecord] = []
     scheduler = RolloutScheduler(
-        objective, source, server, width=width, rows=config.tasks_per_step // processes * config.samples,
+        objective, source, server, width=width, rows=batch_rows,
         tasks=prompt_tasks, groups=config.samples, max_lag=config.max_lag, ahead=config.ahead,
         sync_every=config.sync_every, truncation="score", log=records.append, push=push,
-        max_attempts=config.max_attempts, deterministic=config.deterministic,
+        max_attempts=config.max_attempts, deterministic=config.deterministic, layout=layout,
     )
     entered: list[float] = []
     tasks: list[list[str]] = []
@@ -325,10 +338,32 @@ def grpo_job(config: RLVRConfig, model, params, tokenizer, rows: Sequence[dict],
                    owns_source=owned)
 
 
-def grpo_objective(config: RLVRConfig, model, params, width: int) -> GRPOObjective:
-    """The built-in run's GRPOObjective on rows of ``width`` ids, from ``params`` (see :func:`grpo_job`)."""
+def packed_shape(config: RLVRConfig, width: int, prompt_len: int, share: bool, model=None,
+                 processes: int = 1) -> tuple[int, int, SharedPromptRows | None]:
+    """(width, rows, layout) of the batch each trainer process trains on, for chains of at most ``width`` ids.
+
+    Plain (layout None): a row per sample (a chain is at most one row, so no group is ever cut
+    for room). ``share`` (:attr:`RLVRConfig.share_prompts`): a row per task in a
+    :class:`~dew.models.packed_attention.SharedPromptRows` layout, its group's prompt but the last
+    id once and a slot of ``width - prompt_len + 1`` ids for every sample from that id on, where
+    the row fits ``model``'s ``max_seq_len`` (plain otherwise).
+    """
+    tasks = config.tasks_per_step // processes
+    layout = SharedPromptRows(max(prompt_len - 1, 1), config.samples, width - prompt_len + 1)
+    if not share or layout.width > getattr(model, "max_seq_len", layout.width):
+        return width, tasks * config.samples, None
+    return layout.width, tasks, layout
+
+
+def grpo_objective(config: RLVRConfig, model, params, width: int, layout: SharedPromptRows | None = None
+                   ) -> GRPOObjective:
+    """The built-in run's GRPOObjective on rows of ``width`` ids (in ``layout``), from ``params`` (see
+    :func:`grpo_job`).
+
+    Each batch makes one update, so the proximal policy is the trained one (``proximal="current"``):
+    the rescoring forward pass a batch would otherwise need gives the same numbers."""
     return GRPOObjective(config.rematerialised(model), seq_len=width - 1, beta=config.beta, pretrained=params,
-                         behavior_importance=2.0,
+                         behavior_importance=2.0, proximal="current", layout=layout,
                          max_token_lag=config.max_token_lag, stale_token_weight=config.stale_token_weight,
                          sampling_temperature=None if config.temperature == 1.0 else config.temperature)
 

@@ -357,6 +357,35 @@ class GSM8KReward:
         return f"GSM8KReward({self.method!r})"
 
 
+_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+class LastNumberReward:
+    """1.0 when the completion's last number equals the ground truth as a number, else 0.0 (the built-in word
+    problems' rule, :mod:`dew.data.word_problems`).
+
+    A number is an optional minus sign and digits, with thousands commas and a decimal part allowed
+    ("1,200", "3.50"); a full stop after it is punctuation ("... 15 apples. The answer is 15." reads 15).
+    The ground truth must be a number.
+    """
+
+    def answer(self, completion: str) -> Fraction | None:
+        found = _LAST_NUMBER.findall(completion)
+        return Fraction(found[-1].replace(",", "")) if found else None
+
+    def __call__(self, data_source: str, completion: str, ground_truth: str, extra_info: str) -> float:
+        try:
+            truth = Fraction(str(ground_truth).replace(",", ""))
+        except ValueError:
+            raise ValueError(f"LastNumberReward needs a number as ground_truth, got {ground_truth!r}") from None
+        if not isinstance(completion, str):
+            return 0.0
+        return float(self.answer(completion) == truth)
+
+    def __repr__(self) -> str:
+        return "LastNumberReward()"
+
+
 # ---------------------------------------------------------------------------- code
 
 _OPENING_FENCE = re.compile(r"[ \t]*(`{3,})[ \t]*([^\s`]*)[^`]*")

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from dew.recipes.rlvr_plan import plan_run
-from dew.recipes.rlvr_recipe import grpo_objective, grpo_trainer
+from dew.recipes.rlvr_recipe import grpo_objective, grpo_trainer, packed_shape
 from dew.replay import ReplayReport, replay
 from dew.update_record import RecordError, UpdateRecord
 from dew_ray.actors.trainer_actor import use_cpu_devices
@@ -41,5 +41,7 @@ def replay_run(run_dir: str | Path, until: int | None = None) -> ReplayReport:
     params = start_params(config, plan, run_dir)
     if params is None:
         raise RecordError(f"{run_dir} has no warm_start.msgpack: the weights the run's GRPO started from are missing")
-    trainer = grpo_trainer(config, grpo_objective(config, plan.policy.model, params, plan.width), progress=False)
+    width, _, layout = packed_shape(config, plan.width, plan.prompt_len,
+                                    config.share_prompts and config.environment is None, plan.policy.model)
+    trainer = grpo_trainer(config, grpo_objective(config, plan.policy.model, params, width, layout), progress=False)
     return replay(trainer, record, checkpoints=run_dir / "grpo", until=until)
