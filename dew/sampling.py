@@ -126,6 +126,43 @@ def _min_p_keep(scaled: jax.Array, min_p: float) -> jax.Array:
     return probs >= min_p * probs.max(axis=-1, keepdims=True)
 
 
+CDF_BLOCK = 256  # vocabulary entries per block of categorical's two-level search
+
+
+def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """One id per row of ``logits`` [..., n] (-inf where an id is filtered out), drawn with probability
+    ``softmax(logits)``: [...] int32.
+
+    The inverse of the cumulative distribution at one uniform number per row, found in two
+    levels (the block of :data:`CDF_BLOCK` ids, then the id in it), where
+    ``jax.random.categorical`` draws a Gumbel number for every id: at a 49,152-id vocabulary
+    and 64 rows that was 87 ms of a 180 ms decode step on this CPU, against 2 ms. An id of
+    probability 0 is never drawn (a number rounded past the last block's mass falls on the
+    last id with mass).
+    """
+    shape, n = logits.shape[:-1], logits.shape[-1]
+    flat = logits.reshape(-1, n).astype(jnp.float32)
+    rows = flat.shape[0]
+    weights = jnp.exp(flat - jnp.max(flat, axis=-1, keepdims=True))
+    weights = jnp.pad(weights, ((0, 0), (0, -n % CDF_BLOCK))).reshape(rows, -1, CDF_BLOCK)
+    mass = weights.sum(-1)  # [rows, blocks]
+    total = jnp.cumsum(mass, axis=-1)
+    u = jax.random.uniform(key, (rows,), jnp.float32) * total[:, -1]
+    block = _first_above(total, u, mass > 0)
+    inside = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0]  # [rows, CDF_BLOCK]
+    before = jnp.take_along_axis(total - mass, block[:, None], axis=-1)[:, 0]
+    index = _first_above(jnp.cumsum(inside, axis=-1), u - before, inside > 0)
+    return (block * CDF_BLOCK + index).astype(jnp.int32).reshape(shape)
+
+
+def _first_above(cumulative: jax.Array, u: jax.Array, positive: jax.Array) -> jax.Array:
+    """Per row, the first index whose cumulative mass exceeds ``u``; where rounding leaves none, the last index
+    with mass."""
+    above = cumulative > u[:, None]
+    last = positive.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+    return jnp.where(above.any(-1), jnp.argmax(above & positive, axis=-1), last)
+
+
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> Sample:
     """Draw one id per row of ``logits`` [rows, vocab] and record both likelihoods.
 
@@ -140,12 +177,12 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> Sample:
         support = ids[:, None].astype(jnp.int32) if sampling.top_k is not None else None
     elif sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kept, indices, support = top_k_candidates(logits, sampling)
-        choice = jax.random.categorical(key, kept, axis=-1)
+        choice = categorical(key, kept)
         ids = jnp.take_along_axis(indices, choice[:, None], axis=-1)[:, 0]
         behavior = jnp.take_along_axis(jax.nn.log_softmax(kept, axis=-1), choice[:, None], axis=-1)[:, 0]
     else:
         filtered, _ = filtered_logits(logits, sampling)
-        ids = jax.random.categorical(key, filtered, axis=-1)
+        ids = categorical(key, filtered)
         behavior = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), ids[:, None], axis=-1)[:, 0]
     return Sample(ids.astype(jnp.int32), log_softmax_at(logits, ids), behavior, support)
 
@@ -189,7 +226,7 @@ def sample_controlled(logits: jax.Array, key: jax.Array, row: jax.Array) -> Samp
     probs = jax.nn.softmax(jnp.where(keep, values, NEG_INF))
     keep &= probs >= min_p * probs.max()
     kept = jnp.where(keep, values, NEG_INF)
-    choice = jnp.where(greedy, 0, jax.random.categorical(key, kept))
+    choice = jnp.where(greedy, 0, categorical(key, kept))
     token = order[choice]
     behavior = jnp.where(greedy, 0.0, jax.nn.log_softmax(kept)[choice])
     old = jax.nn.log_softmax(logits)[token]

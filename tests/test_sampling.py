@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.sampling import Sampling, filtered_logits, sample
+from dew.sampling import Sampling, categorical, filtered_logits, sample
 
 # probabilities 0.5, 0.3, 0.15, 0.05 (and two negligible ids)
 PROBS = np.array([0.5, 0.3, 0.15, 0.05, 1e-9, 1e-9])
@@ -69,3 +69,22 @@ def test_greedy_picks_the_argmax_with_certain_behaviour():
 def test_bad_sampling_options_raise(options, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**options)
+
+
+def test_categorical_draws_the_softmax_across_blocks_and_never_a_filtered_id():
+    # 600 ids: two full blocks of 256 and a padded third; the mass sits in every block, and every third id is
+    # filtered out (-inf), including the last ones before the padding
+    logits = np.asarray(jax.random.normal(jax.random.key(5), (600,))) * 1.5
+    logits[::3] = -np.inf
+    expected = np.asarray(jax.nn.softmax(jnp.asarray(logits)))
+    draws = 300_000
+    ids = np.asarray(jax.jit(categorical)(jax.random.key(6), jnp.tile(jnp.asarray(logits, jnp.float32), (draws, 1))))
+    assert ids.shape == (draws,) and ids.dtype == np.int32
+    assert not np.isin(ids, np.arange(0, 600, 3)).any()
+    frequencies = np.bincount(ids, minlength=600) / draws
+    live = expected > 0
+    chi2 = (((frequencies - expected)[live] ** 2) / expected[live]).sum() * draws
+    # 399 degrees of freedom: mean 399, standard deviation sqrt(2 * 399) = 28; 520 is over 4 of them
+    assert chi2 < 520, chi2
+    # leading axes are kept, one draw per row
+    assert categorical(jax.random.key(7), jnp.zeros((2, 3, 10))).shape == (2, 3)

@@ -73,6 +73,7 @@ import numpy as np
 from flax import struct
 
 from dew.inference.generation import bucket, sample_controlled_rows, sample_rows
+from dew.models import native_product
 from dew.models.transformer import KVCache, init_cache
 from dew.sampling import Sampling, controls
 from dew.validation import integer, positive_int
@@ -307,6 +308,8 @@ class Server:
             raise TypeError(f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}")
         if jnp.dtype(dtype) != jnp.float32 and getattr(model, "matmul_dtype", jnp.float32) is None:
             model = model.clone(matmul_dtype=dtype)  # serve in the served precision: products on its operands
+        if batch_invariant and hasattr(model, "kernel_rows"):  # dew's kernel computes each row alone
+            model = model.clone(kernel_rows=native_product.INVARIANT_ROWS)
         self.model, self.sampling, self.slots, self.capacity, self.dtype = model, sampling, slots, capacity, dtype
         self.lanes, self.batch_invariant = lanes, bool(batch_invariant)
         self.variables = cast_floating(variables, dtype)

@@ -22,13 +22,18 @@ import jax.numpy as jnp
 from dew.models import native
 
 TARGET = "dew_bf16_product"
-# Rows up to which the kernel serves, as measured on this machine (a decode step's 197 weight products at
-# Qwen3-0.6B's shape, and the 12.6M bench decoder's, in one program): the paired build beats XLA's dot at
-# every row count from 1 to 32 at both shapes (0.6B: 38 against 203 ms at 1 row, 76 against 112 at 8, 161
-# against 197 at 32); the widening build wins at 1 and 2 rows only (at 4 it lost at 12.6M, at 8 at 0.6B).
+# Rows up to which the kernel serves, as measured on a 2-core Intel Xeon with AMX (12-06, jaxlib 0.10.2, whose XLA
+# runs bfloat16 dots through YNNPACK): a decode layer's weight products at SmolLM2-135M's shape took 284-318 us
+# against XLA's 384-399 at 1 row, 375-384 against 508-531 at 2, but 558-605 against 451-504 at 4 and 2 to 4 times
+# XLA's time at 8 to 32 rows; at Qwen3-0.6B's shape 1.07 against 1.93 ms at 1 row, 1.43 against 2.45 at 2, even at
+# 4, then 3.3 against 2.0 at 8 and 9.9 against 3.0 at 32.
+# Earlier jaxlibs' XLA read bfloat16 weights at about 15 GB/s at 2 to 8 rows, when the kernel won up to 32 rows.
 # Prefill's packed rows (up to 256) stay with XLA's dot.
-PAIRED_ROWS = 32
+PAIRED_ROWS = 2
 WIDENED_ROWS = 2
+# A batch-invariant Server's decode products go to the kernel up to this many rows whatever is faster: the kernel
+# computes each row alone, so a request's numbers do not depend on how many rows its steps have.
+INVARIANT_ROWS = 32
 
 
 def max_rows() -> int:
@@ -39,9 +44,12 @@ def max_rows() -> int:
     return PAIRED_ROWS if native.paired_products() else WIDENED_ROWS
 
 
-def applies(rows: int) -> bool:
-    """Whether a product of ``rows`` rows (with a weight in either layout) goes to the kernel."""
-    return rows <= max_rows()
+def applies(rows: int, limit: int | None = None) -> bool:
+    """Whether a product of ``rows`` rows (with a weight in either layout) goes to the kernel: up to ``limit`` rows
+    where the kernel is built (None: :func:`max_rows`, where it is the faster)."""
+    if limit is None:
+        return rows <= max_rows()
+    return native.available() and rows <= limit
 
 
 def product(x: jax.Array, weight: jax.Array, out_in: bool) -> jax.Array:

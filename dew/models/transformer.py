@@ -166,13 +166,15 @@ def rotary(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
     return (x.astype(cos.dtype) * cos + rotated * sin).astype(x.dtype)
 
 
-def _product(dtype, matmul_dtype):
+def _product(dtype, matmul_dtype, kernel_rows=None):
     """The weight product of a layer: ``matmul_dtype`` operands with a float32 result, or the compute dtype's."""
-    return weight_product(dtype, dtype) if matmul_dtype is None else weight_product(matmul_dtype)
+    if matmul_dtype is None:
+        return weight_product(dtype, dtype, kernel_rows)
+    return weight_product(matmul_dtype, kernel_rows=kernel_rows)
 
 
-def _dense(features, name, bias, dtype, param_dtype, matmul_dtype):
-    product = _product(dtype, matmul_dtype)
+def _dense(features, name, bias, dtype, param_dtype, matmul_dtype, kernel_rows=None):
+    product = _product(dtype, matmul_dtype, kernel_rows)
     return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=param_dtype, dot_general=product, name=name)
 
 
@@ -187,12 +189,13 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     matmul_dtype: jnp.dtype | None = None
+    kernel_rows: int | None = None
 
     @nn.compact
     def __call__(self, x, rotation, mask, write=None, layout: SharedPromptRows | None = None):
         batch, length, _ = x.shape
         dense = lambda features, name, bias: _dense(  # noqa: E731
-            features, name, bias, self.dtype, self.param_dtype, self.matmul_dtype
+            features, name, bias, self.dtype, self.param_dtype, self.matmul_dtype, self.kernel_rows
         )
         q = dense(self.num_heads * self.head_dim, "q_proj", self.bias)(x)
         k = dense(self.num_kv_heads * self.head_dim, "k_proj", self.bias)(x)
@@ -233,11 +236,12 @@ class MLP(nn.Module):
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     matmul_dtype: jnp.dtype | None = None
+    kernel_rows: int | None = None
 
     @nn.compact
     def __call__(self, x):
         dense = lambda features, name: _dense(  # noqa: E731
-            features, name, False, self.dtype, self.param_dtype, self.matmul_dtype
+            features, name, False, self.dtype, self.param_dtype, self.matmul_dtype, self.kernel_rows
         )
         if self.activation == "swiglu":
             hidden = nn.silu(dense(self.features, "gate_proj")(x)) * dense(self.features, "up_proj")(x)
@@ -262,6 +266,7 @@ class LayerOptions:
     dtype: jnp.dtype
     param_dtype: jnp.dtype
     matmul_dtype: jnp.dtype | None
+    kernel_rows: int | None = None
 
 
 class Block(nn.Module):
@@ -275,10 +280,10 @@ class Block(nn.Module):
         )
         attention = Attention(
             c.num_heads, c.kv_heads, c.head_size, c.rope_theta, c.norm_eps, c.qk_norm,
-            c.attention_bias, c.dtype, c.param_dtype, c.matmul_dtype, name="self_attn",
+            c.attention_bias, c.dtype, c.param_dtype, c.matmul_dtype, c.kernel_rows, name="self_attn",
         )
         x = x + attention(norm("input_layernorm")(x), rotation, mask, write, layout)
-        mlp = MLP(c.mlp_features, c.mlp_activation, c.dtype, c.param_dtype, c.matmul_dtype, name="mlp")
+        mlp = MLP(c.mlp_features, c.mlp_activation, c.dtype, c.param_dtype, c.matmul_dtype, c.kernel_rows, name="mlp")
         return x + mlp(norm("post_attention_layernorm")(x))
 
 
@@ -303,6 +308,8 @@ class CausalTransformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     matmul_dtype: jnp.dtype | None = None  # operands of the weight products; None: the compute dtype
+    # bfloat16 products of at most this many rows go to dew's CPU kernel (None: where it is faster; Server)
+    kernel_rows: int | None = None
     remat: str = "none"  # a key of REMAT_POLICIES: what training keeps of each layer for the backward pass
 
     @property
@@ -338,7 +345,7 @@ class CausalTransformer(nn.Module):
         options = LayerOptions(
             self.num_heads, self.kv_heads, self.head_size, self.rope_theta, self.norm_eps, self.qk_norm,
             self.attention_bias, self.mlp_features, self.mlp_activation, self.dtype, self.param_dtype,
-            self.matmul_dtype,
+            self.matmul_dtype, self.kernel_rows,
         )
         rotation = rotary_table(positions, self.head_size, self.rope_theta, accumulation(self.dtype))
         block = Block
@@ -356,9 +363,11 @@ class CausalTransformer(nn.Module):
                 raise ValueError("hidden=True returns hidden states of a packed forward pass, not of a cached one")
             return x
         if self.tie_embeddings:
-            logits = _product(self.dtype, self.matmul_dtype)(x, embed.embedding, (((x.ndim - 1,), (1,)), ((), ())))
+            logits = _product(self.dtype, self.matmul_dtype, self.kernel_rows)(
+                x, embed.embedding, (((x.ndim - 1,), (1,)), ((), ())))
         else:
-            logits = _dense(self.vocab_size, "lm_head", False, self.dtype, self.param_dtype, self.matmul_dtype)(x)
+            logits = _dense(self.vocab_size, "lm_head", False, self.dtype, self.param_dtype, self.matmul_dtype,
+                            self.kernel_rows)(x)
         logits = constrain_rows(logits.astype(accumulation(self.dtype)))
         if self.logit_softcap is not None:
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)

@@ -20,8 +20,12 @@ from dew.models import native_product
 from dew.models.packed_attention import accumulation
 
 
-def weight_product(dtype, result_dtype=jnp.float32):
+def weight_product(dtype, result_dtype=jnp.float32, kernel_rows: int | None = None):
     """A ``dot_general`` whose operands are cast to ``dtype``, accumulating in float32, returning ``result_dtype``.
+
+    ``kernel_rows``: the most rows a bfloat16 product may have to go to dew's CPU kernel (None:
+    :func:`dew.models.native_product.max_rows`, where it is faster than XLA's dot); the kernel
+    computes each row alone, so a constant limit makes a row's numbers independent of the rows beside it.
 
     With bfloat16 weights this is the served-precision product: bfloat16 operands (the
     weights stay as stored; XLA folds the upcast and downcast of the kernel away) with a
@@ -39,42 +43,42 @@ def weight_product(dtype, result_dtype=jnp.float32):
                 f"dimension_numbers={dimension_numbers} for shapes {lhs.shape} and {rhs.shape}"
             )
         product = _activation_weight_product(
-            jnp.dtype(dtype), int(rhs_contract[0]), jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), lhs, rhs
+            jnp.dtype(dtype), int(rhs_contract[0]), jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), kernel_rows, lhs, rhs
         )
         return product.astype(result_dtype)
 
     return dot_general
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _activation_weight_product(dtype, weight_axis, x_dtype, weight_dtype, x, weight):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _activation_weight_product(dtype, weight_axis, x_dtype, weight_dtype, kernel_rows, x, weight):
     """``x [..., in]`` times a 2-D ``weight`` contracted on ``weight_axis``: float32 out of ``dtype`` operands.
 
     ``x_dtype`` and ``weight_dtype`` are the operands' own dtypes, which their gradients take.
     """
-    return _forward_product(x.astype(dtype), weight.astype(dtype), weight_axis)
+    return _forward_product(x.astype(dtype), weight.astype(dtype), weight_axis, kernel_rows)
 
 
 def _contract(lhs, rhs, contracting):
     return jax.lax.dot_general(lhs, rhs, (contracting, ((), ())), preferred_element_type=accumulation(lhs.dtype))
 
 
-def _forward_product(x, weight, weight_axis: int):
+def _forward_product(x, weight, weight_axis: int, kernel_rows: int | None):
     """The forward weight product; a decode step's few bfloat16 rows go to dew's CPU kernel (native_product)."""
     rows = math.prod(x.shape[:-1])
-    if x.dtype == weight.dtype == jnp.bfloat16 and native_product.applies(rows):
+    if x.dtype == weight.dtype == jnp.bfloat16 and native_product.applies(rows, kernel_rows):
         return native_product.product(x, weight, out_in=weight_axis == 1)
     return _contract(x, weight, ((x.ndim - 1,), (weight_axis,)))
 
 
-def _activation_weight_product_forward(dtype, weight_axis, x_dtype, weight_dtype, x, weight):
+def _activation_weight_product_forward(dtype, weight_axis, x_dtype, weight_dtype, kernel_rows, x, weight):
     # The operands are kept as the product read them: half the memory of float32 activations
     # with bfloat16 operands, and no second cast in the backward pass.
     x_low, weight_low = x.astype(dtype), weight.astype(dtype)
-    return _forward_product(x_low, weight_low, weight_axis), (x_low, weight_low)
+    return _forward_product(x_low, weight_low, weight_axis, kernel_rows), (x_low, weight_low)
 
 
-def _activation_weight_product_backward(dtype, weight_axis, x_dtype, weight_dtype, saved, grad):
+def _activation_weight_product_backward(dtype, weight_axis, x_dtype, weight_dtype, kernel_rows, saved, grad):
     # Both gradients are products of ``dtype`` operands accumulated in float32, like the forward
     # product. The barrier keeps XLA from fusing the (transposing) operand layout the weight
     # gradient wants into the elementwise code that produced ``grad`` (a SwiGLU's derivative, say):
