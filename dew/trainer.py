@@ -292,11 +292,14 @@ class Trainer:
 
         ``state`` is donated to the update and must not be used afterwards. Returns the
         new state and the step's metrics as host floats (empty when the rollout
-        returned nothing and no update was made). With ``record`` the trained batch is recorded.
+        returned nothing and no update was made); with a rollout, ``seconds/rollout`` (its call, a
+        scheduler's weight push and wait included) and ``seconds/update`` (the compiled update, until its
+        metrics reached the host). With ``record`` the trained batch is recorded.
         """
         step, updates = int(state.step), int(state.updates)
         if self.record is not None and not self.record.opened:  # a first step: a run's start, or a resumed run
             self.record.open(state.params, step, dict(self.mesh.shape))
+        began = time.perf_counter()
         if self.rollout is not None:
             rollout_key = jax.random.fold_in(jax.random.fold_in(state.key, step), 1)
             clocks = {"step": step} if getattr(self.rollout, "takes_step", False) else {}
@@ -305,7 +308,10 @@ class Trainer:
                 if self.record is not None:
                     self.record.write(step, updates, None, None, {})
                 return state.replace(step=state.step + 1), {}
+        rolled = time.perf_counter()
         state, metrics = self.update(state, batch)
+        if self.rollout is not None:  # where an RL step's time went
+            metrics.update({"seconds/rollout": rolled - began, "seconds/update": time.perf_counter() - rolled})
         # A rollout that keeps its batch's figures (rewards, response lengths) has them logged with the update's.
         if self.rollout is not None and isinstance(getattr(self.rollout, "metrics", None), Mapping):
             metrics.update({f"rollout/{name}": float(value) for name, value in self.rollout.metrics.items()})

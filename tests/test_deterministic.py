@@ -62,7 +62,8 @@ def test_two_deterministic_asynchronous_runs_train_the_same_bits(sharp_decoder, 
 
 # How long, never what; and "verdicts", the sandbox verdicts returned since the previous update, which counts how many
 # of the next batch's programs (drawn ahead) had finished by the time this update ended.
-TIMING = ("wall", "waited", "rollout/latency/", "train/record/seconds", "verdicts")
+TIMING = ("wall", "waited", "rollout/latency/", "train/record/seconds", "train/seconds/", "scheduler/push_seconds",
+          "verdicts")
 
 
 @pytest.mark.ray

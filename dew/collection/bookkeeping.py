@@ -25,7 +25,7 @@ class SchedulerRecord:
     "cancelled", "unscored_truncation", "stale", "stale_running", "timeout");
     cancellations: futures cancelled (timeouts, staleness, oversample extras, admit,
     abandonment); waited: seconds spent waiting on rollouts; pushed: whether this call
-    pushed weights; metrics: ``session_metrics`` over the admitted rollouts and their batch;
+    pushed weights; push_seconds: how long the push took (0 without one); metrics: ``session_metrics`` over the admitted rollouts and their batch;
     sessions: the admitted rollouts themselves, in the order they were packed (to keep
     them, as ``dew.records.verl_rows.to_verl`` rows say).
     """
@@ -42,6 +42,7 @@ class SchedulerRecord:
     pushed: bool
     metrics: dict[str, float]
     sessions: list[Session] = dataclasses.field(default_factory=list)
+    push_seconds: float = 0.0
 
 
 @dataclasses.dataclass

@@ -298,7 +298,9 @@ class RolloutScheduler:
 
     def __call__(self, batch: Batch, variables, version: int, key=None) -> Batch | None:
         version = int(version)
+        began = time.perf_counter()
         pushed = self._push(variables, version)  # every process pushes before any reads its batch
+        push_seconds = time.perf_counter() - began
         try:
             got = self._admit(batch, version)
         except Exception as error:
@@ -324,7 +326,7 @@ class RolloutScheduler:
             version=version, oldest_version=oldest, lag=None if oldest is None else version - oldest,
             admitted_groups=got.groups, resubmissions=dict(got.causes), cancellations=got.cancellations,
             abandoned_groups=got.abandoned, cut_groups=got.cut, waited=got.waited, pushed=pushed,
-            metrics=got.metrics, sessions=list(got.sessions),
+            metrics=got.metrics, sessions=list(got.sessions), push_seconds=push_seconds,
         )
         if self.log is not None:
             self.log(record)

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import secrets
 
+import jax.numpy as jnp
 import ray
 
 from dew.inference import SafetensorsReload, ServingTask
@@ -51,6 +52,7 @@ from dew_ray.pipelines.rlvr_job import (
 from dew_ray.actors.rollout_server_actor import RolloutServerActor
 from dew_ray.placement import RolePlacement
 from dew.recipes.rlvr_recipe import SANDBOX_LIMITS
+from dew.recipes.run_inputs import DTYPES
 
 
 class RLVRActors:
@@ -116,7 +118,9 @@ class RLVRActors:
             # engine_push the trainers use: the driver holds no GPU to broadcast from.
             self.pool = engine_rollouts(setup, version=-1)
             return actors
-        task = ServingTask(setup.model, params, setup.sampling(), batch_invariant=config.deterministic)
+        # served in engine_dtype over float32 activations, whatever the trainer computes in (Server's convention)
+        task = ServingTask(setup.model.clone(dtype=jnp.float32), params, setup.sampling(),
+                           dtype=DTYPES[config.engine_dtype], batch_invariant=config.deterministic)
         self.pool = start_rollout_servers(task, config.servers, slots=config.slots, capacity=setup.width, version=-1,
                                           placement=placement, timeout=config.server_timeout, **self.restarts)
         return [server.actor for server in self.pool.servers]

@@ -199,6 +199,7 @@ def trainer_job(setup: Setup, params, servers: list, runners: list, environment_
                 "admitted_groups": record.admitted_groups, "resubmissions": record.resubmissions,
                 "cancellations": record.cancellations, "abandoned_groups": record.abandoned_groups,
                 "cut_groups": record.cut_groups, "waited": record.waited, "pushed": record.pushed,
+                "push_seconds": record.push_seconds,
                 **{f"rollout/{k}": v for k, v in record.metrics.items()},
             }
         job.records.clear()
