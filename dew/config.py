@@ -14,6 +14,7 @@ field, the value and what was expected:
 from __future__ import annotations
 
 import re
+import textwrap
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -190,14 +191,31 @@ def field_rows(kind: type[BaseModel]) -> list[FieldRow]:
     return rows
 
 
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`~?([^`<]*?)(?:\s*<[^`]*>)?`")  # :class:`~dew.x.Y`, :func:`a <b>`
+
+
+def plain_text(text: str) -> str:
+    """Docstring prose as a terminal shows it: Sphinx roles become their target's name (the last part, for a
+    ``~`` one), literals lose their backquotes."""
+    def name(found: re.Match) -> str:
+        target = found.group(1)
+        return target.rsplit(".", 1)[-1] if found.group(0).startswith(":") and "`~" in found.group(0) else target
+
+    return _ROLE.sub(name, text).replace("``", "")
+
+
 def fields_help(kind: type[BaseModel], width: int = 110) -> str:
-    """The config fields of ``kind`` for ``--help``: name, type, default and bounds on one line, what it is on the
-    next."""
+    """The config fields of ``kind`` for ``--help``: name, type, default and bounds on one line, then what it is,
+    wrapped to ``width``; fields that share one description (``a, b: ...`` in the docstring) print it once."""
     lines = [f"config fields (--set NAME=VALUE, or NAME = VALUE in the TOML file), from {kind.__name__}:"]
+    described: dict[str, str] = {}  # description -> the first field that printed it
     for row in field_rows(kind):
         default = "required" if row.default == "required" else f"default {row.default}"
         lines.append(f"  {row.name} ({row.type}, {default}{', ' + row.constraints if row.constraints else ''})")
-        if row.description:
-            text = row.description
-            lines.append("      " + (text if len(text) <= width else text[: width - 3] + "..."))
+        if row.description in described:
+            lines.append(f"      see {described[row.description]}")
+        elif row.description:
+            described[row.description] = row.name
+            lines += textwrap.wrap(plain_text(row.description), width, initial_indent="      ",
+                                   subsequent_indent="      ", break_on_hyphens=False)
     return "\n".join(lines)

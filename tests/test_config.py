@@ -73,3 +73,19 @@ def test_configs_are_frozen():
     with pytest.raises(Exception, match="frozen"):
         config.steps = 6
     assert config.steps == 5
+
+
+def test_help_prints_each_description_once_whole_and_without_sphinx_markup():
+    from dew.config import fields_help, plain_text
+    from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig
+
+    text = fields_help(RLVRPipelineConfig, width=100)
+    assert "``" not in text and ":class:" not in text and ":func:" not in text and ":mod:" not in text
+    assert not any(line.endswith("...") for line in text.splitlines())
+    assert all(len(line) <= 100 for line in text.splitlines() if line.startswith("      "))
+    # trackers, wandb_project and wandb_mode share one description: it is printed under the first only
+    lines = text.splitlines()
+    assert lines[lines.index("  wandb_mode (Literal['offline', 'online'], default 'offline')") + 1] == "      see trackers"
+    assert text.count("experiment trackers that get every metrics.jsonl row") == 1
+    assert plain_text("(:class:`dew.experiment_trackers.TrackerOptions`) and :func:`~dew.replay.replay`, ``x``") == \
+        "(dew.experiment_trackers.TrackerOptions) and replay, x"

@@ -293,10 +293,10 @@ def test_the_job_submit_lines_work_as_written_on_this_machine():
         assert "succeeded" in ran.stdout.lower() and "held-out reward" in ran.stdout
         assert f"run directory {outputs}" in ran.stdout and "sandbox for code tasks: bubblewrap" in ran.stdout
         summary = json.loads((outputs / "summary.json").read_text())
-        assert summary["steps"] == 6 and summary["run_dir"] == str(outputs)
+        assert summary["steps"] == 20 and summary["run_dir"] == str(outputs)
         assert (outputs / "policy" / "model.safetensors").exists() and (outputs / "rlvr.png").exists()
         steps = [json.loads(line)["step"] for line in (outputs / "metrics.jsonl").read_text().splitlines()]
-        assert steps == [1, 2, 3, 4, 5, 6]
+        assert steps == list(range(1, 21))
         # the head asks for Ray's token: the same job list without it is refused
         unauthenticated = subprocess.run(["bash", "-c", "uv run ray job list --address http://127.0.0.1:8265"],
                                          cwd=ROOT, env={**env, "RAY_AUTH_MODE": "disabled"}, capture_output=True,
@@ -540,6 +540,20 @@ def test_a_warm_start_file_fits_a_users_model_to_its_conversations(qwen3_gsm8k, 
     assert not RLVRPipeline(tiny(tmp_path / "run2", model=str(model), prompts=str(parquet))).needs_warm_start()
 
 
+def test_a_ray_temp_dir_inside_the_directory_rays_uv_hook_packages_is_refused(tmp_path, monkeypatch):
+    from dew_ray.pipelines import run_dirs
+
+    monkeypatch.setattr(run_dirs, "_get_uv_run_cmdline", lambda: ["uv", "run", "dew-ray", "rlvr"])  # under uv run
+    inside = {"RAY_TMPDIR": str(tmp_path / "raytmp")}
+    with pytest.raises(run_dirs.PreflightError, match=f"RAY_TMPDIR \\({tmp_path}/raytmp\\) is inside the working "
+                                                      f"directory {tmp_path}, which Ray packages"):
+        run_dirs.check_packaged_temp_dir(inside, cwd=tmp_path)
+    run_dirs.check_packaged_temp_dir({"RAY_TMPDIR": "/tmp/elsewhere"}, cwd=tmp_path)  # outside: fine
+    run_dirs.check_packaged_temp_dir({}, cwd=tmp_path)  # Ray's default, /tmp/ray
+    monkeypatch.setattr(run_dirs, "_get_uv_run_cmdline", lambda: None)  # not under uv run: nothing is packaged
+    run_dirs.check_packaged_temp_dir(inside, cwd=tmp_path)
+
+
 def test_checks_that_can_fail_early_fail_before_any_work(tmp_path, monkeypatch, container_image):
     from dew_ray.pipelines import rlvr as pipeline
     from dew_ray.pipelines import run_dirs
@@ -723,3 +737,36 @@ def test_the_pipeline_runs_a_users_multi_turn_environment_scored_by_a_model_judg
     # the held-out measure ran the same episodes on the built-in held-out split
     assert set(summary["reward_before"]) == {"all", "stderr", "math", "code", "pass@2", "pass@2/math", "pass@2/code"}
     assert 0 <= summary["reward_after"]["all"] <= 1
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_dew_ray_rlvr_runs_from_a_users_own_folder_both_ways(tmp_path):
+    """A user's folder with ``my.toml`` and the reward file beside it, outside the project: ``uv run --project``
+    from there, and dew-ray installed into an environment of the user's own (``uv pip install`` of the project).
+    Ray's workers get what they need either way: the local cluster's workers run the driver's interpreter (no
+    working directory is packaged, so Ray's uv hook cannot refuse a project outside it, as it did)."""
+    folder = tmp_path / "my-run"
+    folder.mkdir()
+    (folder / "rewards.py").write_text("def score(data_source, completion, ground_truth, extra_info):\n"
+                                       "    return float(len(completion) % 2)\n")
+    (folder / "my.toml").write_text("[rlvr]\nsteps = 2\nsft_steps = 10\ntasks_per_step = 2\nsamples = 4\n"
+                                    "max_new_tokens = 40\neval_tasks = 4\neval_samples = 1\ntrain_tasks = 100\n"
+                                    'runner = "process"\nprogress = false\nreward = "rewards.py:score"\n')
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "VIRTUAL_ENV")}
+    own = tmp_path / "own-env"
+    # the lock's versions (a user's `pip install` resolves its own), then the project itself
+    made = subprocess.run(f"uv export --quiet --frozen --no-dev --no-emit-project --project {ROOT} > {tmp_path}/pins.txt"
+                          f" && uv venv --quiet --python {sys.executable} {own}"
+                          f" && uv pip install --quiet --python {own}/bin/python -r {tmp_path}/pins.txt"
+                          f" && uv pip install --quiet --no-deps --python {own}/bin/python {ROOT}", shell=True,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stderr[-3000:]
+    for name, command in (("uv run --project", ["uv", "run", "--project", str(ROOT), "dew-ray"]),
+                          ("installed", [str(own / "bin" / "dew-ray")])):
+        ran = subprocess.run([*command, "rlvr", "--config", "my.toml", "--set", f"run_dir=runs/{name.split()[0]}"],
+                             cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+        assert ran.returncode == 0, (name, ran.stdout[-3000:], ran.stderr[-3000:])
+        summary = json.loads((folder / "runs" / name.split()[0] / "summary.json").read_text())
+        assert summary["steps"] == 2, name
+        assert not list(folder.glob("**/_ray_pkg_*")) and "not in the working_dir" not in ran.stderr

@@ -124,10 +124,14 @@ def test_safetensors_reload_serves_the_pushed_policy_and_lands(vllm_engine, vllm
     after = np.asarray(vllm_prompt_log_probs(vllm_engine.url, probe))
     assert np.abs(after - before).max() > 0.05  # the served policy moved ...
     assert push.published[vllm_engine.url] < 1e-5  # ... to the one published (the landing check; float32 compute)
-    # The directory holds the pushed policy in bfloat16, as load_pretrained reads it back.
-    back = load_pretrained(vllm_engine.model)[1]
-    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(changed)):
-        np.testing.assert_array_equal(got, np.asarray(want).astype(jnp.bfloat16).astype(np.float32))
+    # The directory holds the pushed policy in bfloat16, as load_pretrained reads it back: untied (vLLM's copy),
+    # its output layer the embedding's values.
+    back = load_pretrained(vllm_engine.model)[1]["params"]
+    bfloat16 = lambda x: np.asarray(x).astype(jnp.bfloat16).astype(np.float32)  # noqa: E731
+    head = back.pop("lm_head")["kernel"]
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(changed["params"]), strict=True):
+        np.testing.assert_array_equal(got, bfloat16(want))
+    np.testing.assert_array_equal(head, bfloat16(changed["params"]["embed_tokens"]["embedding"]).T)
     assert json.loads((vllm_engine.model / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert not list(vllm_engine.model.parent.glob(".policy.staging-*"))  # nothing staged is left behind
     publication.load(variables, 2)  # the launch policy again: the launch answers again
@@ -146,22 +150,29 @@ def test_the_landing_check_catches_an_engine_serving_other_weights(vllm_engine, 
         publication.load(variables, publication.version)
 
 
-def test_vllm_cpu_reload_leaves_tied_embeddings_stale_and_the_landing_check_refuses_it(vllm_engine, vllm, tiny_qwen3):
-    # A finding, not a stand-in: vllm-cpu 0.32's reload_weights does not reload a tied embedding (every other
-    # tensor of this model reloads exactly). Without the landing check the push would "succeed".
-    _, variables, _ = tiny_qwen3
+def test_a_tied_models_push_lands_because_vllms_copy_is_untied(vllm_engine, vllm, tiny_qwen3):
+    # A finding, not a stand-in: vllm-cpu 0.32's reload_weights does not reload a tied output layer (every other
+    # tensor of this model reloads exactly). So SafetensorsReload writes vLLM's copy of a tied model untied, its
+    # output layer a tensor of its own, and the push lands; written tied, the engine would keep its launch output
+    # layer (the one it read from the untied launch directory), which the landing check refuses.
+    pretrained, variables, _ = tiny_qwen3
     push, publication = vllm
+    assert pretrained.config["tie_word_embeddings"] and push.untie
+    assert not json.loads((vllm_engine.model / "config.json").read_text())["tie_word_embeddings"]
     start = publication.version
     changed = copy.deepcopy(variables)
     embedding = changed["params"]["embed_tokens"]["embedding"]
     changed["params"]["embed_tokens"]["embedding"] = embedding + 0.5 * np.random.default_rng(0).standard_normal(
         embedding.shape).astype(np.float32)
+    tied = Publication(SafetensorsReload(pretrained, vllm_engine.model, [vllm_engine.url], "vllm", untie=False,
+                                         landing=push.landing), version=start)
     try:
+        publication.load(changed, start + 1)  # lands: the landing check passed
+        assert publication.version == start + 1 and push.published[vllm_engine.url] < 1e-5
         with pytest.raises(LandingError, match=r"does not serve the published weights.*float32 serving"):
-            publication.load(changed, start + 1)
-        assert publication.version == start  # the failed push left the version where it was
+            tied.load(variables, start + 2)  # the embedding reloads, the output layer stays the pushed one
     finally:
-        publication.load(variables, start)
+        publication.load(variables, start + 2)
 
 
 def test_a_draw_in_flight_across_a_push_keeps_its_submission_version(vllm_engine, vllm, tiny_qwen3):

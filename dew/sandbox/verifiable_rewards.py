@@ -357,7 +357,7 @@ class GSM8KReward:
         return f"GSM8KReward({self.method!r})"
 
 
-_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_LAST_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,200 or 1200; "1,9" is 1 then 9
 
 
 class LastNumberReward:
@@ -365,7 +365,8 @@ class LastNumberReward:
     problems' rule, :mod:`dew.data.word_problems`).
 
     A number is an optional minus sign and digits, with thousands commas and a decimal part allowed
-    ("1,200", "3.50"); a full stop after it is punctuation ("... 15 apples. The answer is 15." reads 15).
+    ("1,200", "3.50"; "1,9" is two numbers); a full stop after it is punctuation ("... 15 apples. The
+    answer is 15." reads 15).
     The ground truth must be a number.
     """
 

@@ -135,7 +135,7 @@ class ChainPipeline:
             raise PreflightError(f"config field 'model' must be a Hugging Face model directory with config.json, "
                                  f"got {self.config.model}")
         if not ray.is_initialized():
-            start_ray(self.address, self.run_dir, self.config.trainers * self.config.trainer_cpus + 1)
+            start_ray(self.address, self.config.trainers * self.config.trainer_cpus + 1)
             self._started_ray = True
         (self.run_dir / "config.json").write_text(json.dumps({**self.config.model_dump(),
                                                               "run_dir": str(self.run_dir)}, indent=2))

@@ -44,8 +44,9 @@ The run directory is resolved once, before any actor starts: a relative one agai
 driver's working directory (on a local cluster, or one it attached to), and a submitted job
 (``ray job submit``, whose driver runs in a packaged copy of the working directory that
 dies with the session) must give an absolute path every node reaches. Actors only ever see
-the absolute path; ``runs/`` is left out of the packaged working directory (``.rayignore``,
-and the excludes of a cluster the driver starts). Before the warm start the driver checks
+the absolute path; ``runs/`` is left out of a packaged working directory (``.rayignore``), and
+a local cluster the driver starts packages nothing (its workers run the driver's interpreter:
+:func:`~dew_ray.pipelines.run_dirs.start_ray`). Before the warm start the driver checks
 what can fail early: the run directory is writable, the sandbox starts a program (and which
 bubblewrap runs it), the cluster has the CPUs the roles reserve, and the configuration.
 
@@ -189,7 +190,7 @@ class RLVRPipeline:
             self.preflight()
         demand = config.cpu_demand()
         if not ray.is_initialized():
-            start_ray(self.address, self.run_dir, sum(demand.values()))
+            start_ray(self.address, sum(demand.values()))
             self._started_ray = True
         short = shortfall(config.roles())
         if short is not None:

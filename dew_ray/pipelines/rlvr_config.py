@@ -84,9 +84,9 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     ``<run_dir>/engine/policy``, a path every engine's node must read); engine_python: the
     python of an environment with vLLM installed, on every engine node (None: the one
     ``tools/engine_env.py`` builds, its CUDA build ``vllm-cuda`` on a node with GPUs where built,
-    else the CPU build ``vllm``); engine_dtype: what the rollout servers compute in (vLLM's ``--dtype``; a native
-    server in "bfloat16" holds bfloat16 weights and runs its weight products on bfloat16 operands, with norms,
-    rotary, attention and sampling in float32, about twice as fast on CPUs with AVX512-BF16 or AMX); server_gpus: GPUs in each rollout server's bundle (the vLLM engine
+    else the CPU build ``vllm``); engine_dtype: what the rollout servers compute in, vLLM's ``--dtype``, and for a native
+    server "bfloat16" holds bfloat16 weights and runs its weight products on bfloat16 operands with norms, rotary,
+    attention and sampling in float32 (about twice as fast on CPUs with AVX512-BF16 or AMX); server_gpus: GPUs in each rollout server's bundle (the vLLM engine
     inherits the actor's CUDA_VISIBLE_DEVICES). engine_push: how the trainer publishes to
     the engines, "reload" (SafetensorsReload through that directory) or "nccl" (NCCLPush:
     a broadcast from the trainer's GPU, so trainer_gpus and server_gpus must be set, and the

@@ -7,8 +7,13 @@ session) must give an absolute path every node reaches, and a URI is refused (th
 write with local file I/O). ``writable`` checks it can be written, and ``shared_on_nodes``
 that every node the run uses reads and writes the same directory; ``check_sandbox`` starts one
 program in the configured sandbox; ``start_ray`` starts the local cluster of one run (Ray's
-token authentication as Ray sets it, ``runs/`` and the run directory left out of the packaged
-working directory) unless ``address`` or ``RAY_ADDRESS`` names a cluster.
+token authentication as Ray sets it) unless ``address`` or ``RAY_ADDRESS`` names a cluster.
+A local cluster's workers run this driver's own interpreter, whatever started it: under
+``uv run`` Ray would otherwise package the working directory and start every worker with
+``uv run`` there (its uv hook), which fails from a folder outside the project (the project's
+``pyproject.toml`` is not in it) and packages a Ray temp dir inside it. Attaching to a cluster
+under ``uv run`` keeps Ray's hook (the cluster's nodes may not have dew-ray installed), so a
+``RAY_TMPDIR`` inside the directory it packages is refused, naming both.
 ``pipeline_main`` is every pipeline's ``python -m`` entry: ``--config``, ``--set`` and
 ``--address``, errors in the configuration or the preflight printed and exit status 2.
 """
@@ -24,7 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import ray
+from ray._private import ray_constants
 from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+from ray._private.runtime_env.uv_runtime_env_hook import _get_uv_run_cmdline
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -118,16 +125,6 @@ def shared_on_nodes(run_dir: Path, nodes: dict[str, str], timeout: float = 120.0
         mark.unlink(missing_ok=True)
 
 
-def _excludes(run_dir: Path) -> list[str]:
-    """What a cluster this driver starts leaves out of the working directory it packages for the actors."""
-    excludes = ["/runs/"]
-    try:
-        inside = run_dir.relative_to(Path.cwd())
-    except ValueError:
-        return excludes
-    return excludes + [f"/{inside.as_posix()}/"]
-
-
 def check_sandbox(runner: str, image: str = CONTAINER_IMAGE):
     """Start one program in the configured sandbox now; returns the runner, which the sandbox actors get."""
     try:
@@ -148,21 +145,43 @@ def describe_runner(runner) -> str:
     return "ProcessRunner (no isolation: trusted code only)"
 
 
-def start_ray(address: str | None, run_dir: Path, cpus_reserved: float) -> None:
+def start_ray(address: str | None, cpus_reserved: float) -> None:
     """Attach to ``address`` (or RAY_ADDRESS), or start a local cluster for this run."""
     # RAY_AUTH_MODE is left to the user and to Ray: a local cluster Ray starts turns token authentication on
     # (its raylets and GCS listen on every interface, loopback address or not), and an existing cluster's mode
     # is the one it was started with (RAY_AUTH_MODE=token and the token in ~/.ray/auth_token or RAY_AUTH_TOKEN).
     address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        check_packaged_temp_dir()
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        return
     # A local cluster gets as many logical CPUs as the run reserves (at least the machine's cores):
     # they are scheduling tokens, and the roles share the cores as any processes do.
-    cpus = None if address else max(os.cpu_count() or 1, math.ceil(cpus_reserved))
-    # The local cluster's workers (trainers, rollout servers) start with glibc's huge pages for malloc
-    # (dew.hugepages: XLA's per-step allocations otherwise fault in 4 KB at a time); on a cluster one
-    # attaches to, its `ray start` environment decides (cluster_configs/ray-cluster.yaml sets it).
-    runtime_env = None if address else {"excludes": _excludes(run_dir), "env_vars": hugepage_environment()}
-    ray.init(address=address, num_cpus=cpus, include_dashboard=False if address is None else None,
-             log_to_driver=False, configure_logging=False, runtime_env=runtime_env)
+    cpus = max(os.cpu_count() or 1, math.ceil(cpus_reserved))
+    # Its workers (trainers, rollout servers) start with glibc's huge pages for malloc (dew.hugepages: XLA's
+    # per-step allocations otherwise fault in 4 KB at a time); on a cluster one attaches to, its `ray start`
+    # environment decides (cluster_configs/ray-cluster.yaml sets it). They start from this interpreter, which has
+    # dew-ray installed, with nothing packaged (see the module docstring).
+    uv_hook, ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV, False
+    try:
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": hugepage_environment()})
+    finally:
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = uv_hook
+
+
+def check_packaged_temp_dir(environ=os.environ, cwd: Path | None = None) -> None:
+    """Refuse a Ray temp dir (``RAY_TMPDIR``) inside the working directory Ray's uv hook will package: the package
+    would hold the session's own files as they grow (a run zipped itself until its disk was full)."""
+    if not ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV or not _get_uv_run_cmdline():
+        return  # nothing is packaged
+    temp = environ.get("RAY_TMPDIR")
+    cwd = (cwd or Path.cwd()).resolve()
+    if temp and Path(temp).expanduser().resolve().is_relative_to(cwd):
+        raise PreflightError(f"RAY_TMPDIR ({Path(temp).expanduser().resolve()}) is inside the working directory "
+                             f"{cwd}, which Ray packages for the cluster's workers under `uv run`: the package would "
+                             "hold the Ray session's own files as they grow. Put the temp dir outside it (the default "
+                             "is /tmp/ray)")
 
 
 def pipeline_main(argv: list[str] | None, description: str, config_help: str, read_config: Callable,

@@ -1,0 +1,190 @@
+"""`dew-ray sft` and `dew-ray dpo` on the real SmolLM2-135M-Instruct: a targeted behaviour before and after, and the
+exported directories read back by transformers.
+
+    uv run python bench/smollm2_stages.py [--sft-steps 40] [--dpo-steps 40] [--skip-transformers]
+
+The behaviour is how SmolLM2 answers the built-in one-step word problems (:mod:`dew.data.word_problems`): it
+often goes on after a right sum and ends on another number. Measured on 64 held-out problems (operand pairs no
+training row has), greedily, through dew's native Server: the share answered right (the last number is the
+answer, :class:`~dew.sandbox.LastNumberReward`) and the share that ends with "The answer is <number>.", the
+reference answers' closing.
+
+- SFT: ``dew-ray sft`` on 256 conversations, each a training problem and its reference answer ("Mia has 12 + 7 =
+  19 stickers. The answer is 19.");
+- DPO: ``dew-ray dpo`` on 256 pairs, the reference answer chosen over the same answer one higher (TRL's
+  explicit-prompt layout: prompt as chat messages, chosen and rejected assistant messages), from the model as
+  built, not from the SFT policy.
+
+Each exported ``policy/`` directory is then loaded by transformers (the reference environment, ``.venv-ref``)
+and its logits on three prompts compared with dew's own. Writes bench/results/smollm2_stages.json and a bar
+plot, smollm2_stages.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from interleaved import PEER_PYTHON, RESULTS, ROOT
+from transformers import AutoTokenizer
+
+from dew.data.verifiable import HELD_OUT, verifiable_tasks
+from dew.inference import Server
+from dew.models.pretrained import load_pretrained
+from dew.sampling import Sampling
+from dew.sandbox import LastNumberReward
+
+sys.path.insert(0, str(ROOT / "tools"))
+import smollm2  # noqa: E402 (tools/ is not a package)
+
+CLOSING = "The answer is "
+CLOSING_PATTERN = re.compile(r"The answer is -?\d+\.?\s*$")
+
+TRANSFORMERS_SIDE = r"""
+import json, sys, numpy as np, torch
+from transformers import AutoModelForCausalLM
+directory, ids = sys.argv[1], json.loads(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+with torch.no_grad():
+    print(json.dumps([model(torch.tensor([row])).logits[0].tolist() for row in ids]))
+"""
+
+
+def behaviour(directory: Path, problems, tokenizer) -> dict:
+    """Greedy answers of the model in ``directory`` to ``problems``: the share right and the share closing with
+    the reference answers' sentence."""
+    model, variables = load_pretrained(directory)
+    server = Server(model, variables, Sampling(temperature=0.0, eos_id=tokenizer.eos_token_id), slots=64,
+                    capacity=160, dtype=jnp.bfloat16)
+    numbers = {}
+    for task in problems:
+        ids = tokenizer.apply_chat_template(task.row()["prompt"], tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        numbers[server.submit(ids, 64)] = task
+    answers = {}
+    while server.busy:
+        for done in server.step():
+            answers[numbers[done.request]] = tokenizer.decode(done.ids, skip_special_tokens=True)
+    reward = LastNumberReward()
+    right = [reward(task.data_source, answers[task], task.ground_truth, "") for task in problems]
+    closing = [bool(CLOSING_PATTERN.search(answers[task])) for task in problems]
+    return {"right": float(np.mean(right)), "closing": float(np.mean(closing)),
+            "example": answers[problems[0]], "length": float(np.mean([len(tokenizer.encode(answers[t]))
+                                                                       for t in problems]))}
+
+
+def write_data(folder: Path, count: int, seed: int) -> tuple[Path, Path]:
+    tasks = verifiable_tasks(count, seed=seed, families=["word"])
+    sft, dpo = folder / "sft.jsonl", folder / "dpo.jsonl"
+    with open(sft, "w") as file:
+        for task in tasks:
+            file.write(json.dumps({"messages": [*task.row()["prompt"], {"role": "assistant",
+                                                                        "content": task.answer}]}) + "\n")
+    rng = random.Random(seed)
+    with open(dpo, "w") as file:
+        for task in tasks:
+            wrong = str(int(task.ground_truth) + rng.choice((-1, 1)))
+            rejected = task.answer.replace(f"= {task.ground_truth} ", f"= {wrong} ").replace(
+                f"{CLOSING}{task.ground_truth}.", f"{CLOSING}{wrong}.")
+            file.write(json.dumps({"prompt": task.row()["prompt"],
+                                   "chosen": [{"role": "assistant", "content": task.answer}],
+                                   "rejected": [{"role": "assistant", "content": rejected}]}) + "\n")
+    return sft, dpo
+
+
+def stage(kind: str, model: Path, data: Path, out: Path, steps: int, learning_rate: float, seq_len: int,
+          extra=()) -> Path:
+    command = [str(Path(sys.executable).parent / "dew-ray"), kind, "--model", str(model), "--data", str(data),
+               "--steps", str(steps), "--set", f"output_dir={out}", "--set", f"learning_rate={learning_rate}",
+               "--set", f"seq_len={seq_len}", "--set", "batch=8", "--set", "dtype=bfloat16", *extra]
+    ran = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if ran.returncode != 0:
+        raise RuntimeError(f"dew-ray {kind} failed:\n{ran.stdout[-2000:]}\n{ran.stderr[-3000:]}")
+    return out / "policy"
+
+
+def transformers_logits_difference(directory: Path, tokenizer, prompts: list[str]) -> float:
+    """The largest difference between dew's logits and transformers' on the exported directory (float32)."""
+    ids = [tokenizer(text)["input_ids"] for text in prompts]
+    model, variables = load_pretrained(directory)
+    ours = [np.asarray(model.apply(variables, jnp.asarray([row])))[0] for row in ids]
+    ran = subprocess.run([str(PEER_PYTHON), "-c", TRANSFORMERS_SIDE, str(directory), json.dumps(ids)],
+                         capture_output=True, text=True, cwd=ROOT)
+    if ran.returncode != 0:
+        raise RuntimeError(f"transformers could not read {directory}:\n{ran.stderr[-3000:]}")
+    theirs = json.loads(ran.stdout.strip().splitlines()[-1])
+    return max(float(np.abs(a - np.asarray(b)).max()) for a, b in zip(ours, theirs))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sft-steps", type=int, default=40)
+    parser.add_argument("--dpo-steps", type=int, default=40)
+    parser.add_argument("--skip-transformers", action="store_true", help="no reference environment: skip that check")
+    args = parser.parse_args(argv)
+    model = smollm2.build(quiet=True)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    held_out = verifiable_tasks(64, seed=1_000_000, families=["word"], split=HELD_OUT)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="dew-smollm2-stages-") as scratch:
+        scratch = Path(scratch)
+        sft_data, dpo_data = write_data(scratch, 256, seed=0)
+        results["model as built"] = behaviour(model, held_out, tokenizer)
+        print("model as built:", results["model as built"], flush=True)
+        policies = {
+            "after dew-ray sft": stage("sft", model, sft_data, scratch / "sft", args.sft_steps, 2e-5, 127),
+            "after dew-ray dpo": stage("dpo", model, dpo_data, scratch / "dpo", args.dpo_steps, 5e-6, 128,
+                                       ("--set", "beta=0.1")),
+        }
+        prompts = ["The capital of France is",
+                   tokenizer.apply_chat_template(held_out[0].row()["prompt"], tokenize=False, add_generation_prompt=True),
+                   held_out[1].answer]
+        for name, policy in policies.items():
+            results[name] = behaviour(policy, held_out, tokenizer)
+            if not args.skip_transformers:
+                results[name]["transformers_logit_difference"] = transformers_logits_difference(policy, tokenizer,
+                                                                                                prompts)
+            print(f"{name}:", results[name], flush=True)
+    (RESULTS / "smollm2_stages.json").write_text(json.dumps(results, indent=2))
+    print("\n| model | right (greedy, 64 held-out) | ends with \"The answer is N.\" | mean answer ids | "
+          "transformers logit difference |\n| --- | --- | --- | --- | --- |")
+    for name, row in results.items():
+        difference = row.get("transformers_logit_difference")
+        print(f"| {name} | {row['right']:.3f} | {row['closing']:.3f} | {row['length']:.1f} | "
+              f"{'' if difference is None else f'{difference:.1e}'} |")
+    plot(results)
+    return 0
+
+
+def plot(results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    x = np.arange(len(names))
+    axis.bar(x - 0.2, [results[n]["right"] for n in names], 0.4, label="answered right")
+    axis.bar(x + 0.2, [results[n]["closing"] for n in names], 0.4, label='ends "The answer is N."')
+    axis.set_xticks(x, ["\n".join(textwrap.wrap(n, 14)) for n in names])
+    axis.set_ylim(0, 1)
+    axis.set_ylabel("share of 64 held-out problems (greedy)")
+    axis.set_title("SmolLM2-135M-Instruct: dew-ray sft and dpo")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(RESULTS / "smollm2_stages.png", dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
