@@ -8,7 +8,7 @@ import pytest
 from dew import models
 from dew.models.packed_attention import SharedPromptRows
 from dew.objectives.grpo import GRPOObjective
-from dew.records.session_packing import chain_lengths, pack
+from dew.records.session_packing import chain_lengths, fitted_layout, pack
 from dew.records.session_records import Call, Session, Status, Task
 
 WIDTH = 24
@@ -306,3 +306,27 @@ def test_shared_prompts_keep_each_sampled_ids_support(decoder):
     full = _by_sampled_id(plain, np.asarray(scores(variables, {k: v for k, v in plain.items()
                                                                 if not k.startswith("support")})))
     assert max(abs(full[k] - theirs[k]) for k in theirs) > 1e-3
+
+
+def test_a_batch_of_short_responses_trains_on_shorter_slots_with_the_same_numbers(decoder):
+    model, variables, reference = decoder
+    model = model.clone(max_seq_len=128)  # rows of the full layout are wider than the fixture's 32 positions
+    sessions = _groups()
+    full = SharedPromptRows(prompt=4, continuations=3, length=40)  # room for 39 sampled ids after the prompt
+    fitted = fitted_layout(sessions, full)
+    # the longest continuation is x's first chain: its prompt's last id and 5 more ids; slots round up to 16
+    assert fitted == SharedPromptRows(prompt=4, continuations=3, length=16) and fitted.width < full.width
+    assert full.fitted(40) == full and full.fitted(33) == full  # never past the layout's own slots
+    with pytest.raises(ValueError, match="continuations of 41 ids do not fit slots of 40"):
+        full.fitted(41)
+    objective = GRPOObjective(model, seq_len=full.width - 1, layout=full, beta=0.1, behavior_importance=2.0)
+    short, plain = pack(sessions, fitted.width, layout=fitted), pack(sessions, WIDTH)
+    objective.validate(short)  # a fitted batch is one of the layout's
+    with pytest.raises(ValueError, match="rows of 23 ids are not 4 prompt ids and 3 slots of at most 40 ids"):
+        objective.validate(pack(sessions, WIDTH - 1))
+    plain_objective = GRPOObjective(model, seq_len=WIDTH - 1, beta=0.1, behavior_importance=2.0)
+    mine = _by_sampled_id(short, np.asarray(jax.jit(objective.packed_log_probs)(variables, short)))
+    theirs = _by_sampled_id(plain, np.asarray(jax.jit(plain_objective.packed_log_probs)(variables, plain)))
+    np.testing.assert_allclose([mine[k] for k in sorted(theirs)], [theirs[k] for k in sorted(theirs)], atol=1e-5)
+    loss = lambda o, b: o.loss(variables, reference, b, None)[0]  # noqa: E731
+    np.testing.assert_allclose(loss(objective, short), loss(plain_objective, plain), rtol=1e-5, atol=1e-6)

@@ -77,7 +77,7 @@ from dew.inference.publisher import WeightPublisher
 from dew.losses.advantages import ESTIMATORS
 from dew.models.packed_attention import SharedPromptRows
 from dew.records.session_metrics import session_metrics
-from dew.records.session_packing import chain_lengths, pack, rows_needed
+from dew.records.session_packing import chain_lengths, fitted_layout, pack, rows_needed
 from dew.records.session_records import TRUNCATIONS, SessionSource, Status, Task
 from dew.validation import integer, one_of, positive, positive_int
 
@@ -105,6 +105,8 @@ class RolloutScheduler:
     deterministic: draws under the version submitted at, admission in submission order (see the module docstring).
     layout: a :class:`~dew.models.packed_attention.SharedPromptRows`: pack each group's prompt once for its samples
     (``pack(..., layout=...)``), a row per group; ``width`` must be the layout's and ``rows`` the groups of a batch.
+    On one process a batch's slots are only as long as its longest response needs (``fitted_layout``: fewer ids
+    to train on once responses get short); several processes keep the layout's, as their rows must agree.
     push: on a multi-process trainer, "one" (process 0 loads ``weights``, which serves
     every process's source) or "each" (every process loads its own ``weights``).
     """
@@ -357,8 +359,12 @@ class RolloutScheduler:
         latencies = [latency for _, latency in ordered]
         out, metrics = None, {}
         if sessions:
-            out = pack(sessions, self.width, rows=self.rows, estimator=self.estimator, truncation=self.truncation,
-                       support_capacity=self.support_capacity, layout=self.layout)
+            layout, width = self.layout, self.width
+            if layout is not None and self._agreement is None:
+                layout = fitted_layout(sessions, layout, self.truncation)
+                width = layout.width
+            out = pack(sessions, width, rows=self.rows, estimator=self.estimator, truncation=self.truncation,
+                       support_capacity=self.support_capacity, layout=layout)
             metrics = session_metrics(sessions, out, latencies, version=version, truncation=self.truncation)
         return Admitted(out=out, sessions=sessions, metrics=metrics, groups=len(admitted), cut=cut,
                          abandoned=sum(g.state == "abandoned" for g in entry.groups), causes=causes,

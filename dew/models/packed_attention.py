@@ -22,6 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+SLOT_STEP = 16  # SharedPromptRows.fitted: slot lengths a batch may take are multiples of this (and the longest)
+
 
 @dataclasses.dataclass(frozen=True)
 class SharedPromptRows:
@@ -41,6 +43,24 @@ class SharedPromptRows:
     @property
     def width(self) -> int:
         return self.prompt + self.continuations * self.length
+
+    def fitted(self, needed: int, step: int = SLOT_STEP) -> SharedPromptRows:
+        """This layout with slots only as long as ``needed`` ids, rounded up to a multiple of ``step`` (at most
+        ``length``): a batch whose continuations are short trains on fewer ids, and the few lengths it can take
+        compile once each."""
+        if needed < 1:
+            raise ValueError(f"a slot holds at least one id, got needed={needed}")
+        if needed > self.length:
+            raise ValueError(f"continuations of {needed} ids do not fit slots of {self.length}")
+        return dataclasses.replace(self, length=min(self.length, -(-needed // step) * step))
+
+    def with_width(self, width: int) -> SharedPromptRows:
+        """This layout with the slot length that makes rows of ``width`` ids (a batch of :meth:`fitted` slots)."""
+        length, rest = divmod(width - self.prompt, self.continuations)
+        if rest or not 1 <= length <= self.length:
+            raise ValueError(f"rows of {width} ids are not {self.prompt} prompt ids and {self.continuations} slots of "
+                             f"at most {self.length} ids")
+        return dataclasses.replace(self, length=length)
 
 
 def accumulation(dtype) -> jnp.dtype:

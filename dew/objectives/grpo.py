@@ -88,7 +88,8 @@ class GRPOObjective(Objective):
     policy is the batch's ``old_log_probs``, or behaviour in bypass mode) or "current" (the
     trained policy, detached: see the module docstring). layout: the batches' rows hold one shared prompt and its
     samples (:class:`~dew.models.packed_attention.SharedPromptRows`, as ``pack(..., layout=...)`` writes them),
-    so attention computes only the blocks they need; ``seq_len + 1`` must be its width.
+    so attention computes only the blocks they need; ``seq_len + 1`` must be its width, and a batch may have
+    shorter slots (:meth:`~dew.models.packed_attention.SharedPromptRows.fitted`: fewer ids to train on).
     """
 
     def __init__(
@@ -154,6 +155,8 @@ class GRPOObjective(Objective):
     def validate(self, batch) -> None:
         owner = f"GRPOObjective(seq_len={self.seq_len})"
         width = self.seq_len + 1
+        if self.layout is not None and "input_ids" in batch and np.ndim(batch["input_ids"]) == 2:
+            width = self.layout.with_width(np.shape(batch["input_ids"])[1]).width  # slots as long as the batch needs
         rows = None
         if self.max_token_lag is not None and "lags" not in batch:
             raise ValueError(f"{owner}: max_token_lag={self.max_token_lag} needs the batch field 'lags' (each sampled "
@@ -223,8 +226,9 @@ class GRPOObjective(Objective):
                 prefix_segments=None if prefix is None else prefix[:, :-1],
             )
         else:  # the whole row keeps the layout's slots; the last id predicts nothing
+            layout = self.layout.with_width(ids.shape[1])
             logits = self.model.apply(params, ids, segment_ids=segments, positions=batch["text_positions"],
-                                      prefix_segments=prefix, layout=self.layout)[:, :-1]
+                                      prefix_segments=prefix, layout=layout)[:, :-1]
         if self.sampling_temperature is not None:
             logits = logits / self.sampling_temperature
         scores = token_log_probs(logits, ids[:, 1:])

@@ -133,6 +133,17 @@ def chain_lengths(sessions: Sequence[Session], width: int, truncation: str = "ma
     return [width for _ in _units(chains, sessions, layout)]
 
 
+def fitted_layout(sessions: Sequence[Session], layout: SharedPromptRows, truncation: str = "mask"
+                  ) -> SharedPromptRows:
+    """``layout`` with slots as short as these sessions' chains allow (:meth:`SharedPromptRows.fitted`): the layout
+    to ``pack`` them in for a batch of fewer ids."""
+    check_truncation(truncation)
+    chains = [chain for number, session, _ in _trained(sessions, truncation) for chain in chains_of(session, number)]
+    needed = max((len(chains[i]) - unit.shared for unit in _units(chains, sessions, layout) for i in unit.chains),
+                 default=1)
+    return layout.fitted(needed)
+
+
 @dataclasses.dataclass
 class _Unit:
     """What pack places in one piece: one chain, or (with a layout) a prompt and the chains that continue it."""

@@ -53,7 +53,7 @@ bubblewrap runs it), the cluster has the CPUs the roles reserve, and the configu
 The run directory holds ``config.json``, ``warm_start.msgpack`` (the warm-started
 weights), ``grpo/`` (the trainers' checkpoints, every ``checkpoint_every`` updates),
 ``metrics.jsonl`` (one line per update: trainer and scheduler metrics, the tasks
-trained, wait and wall seconds), ``held_out.jsonl`` (the held-out reward before training,
+trained, wait and wall seconds, a held-out measurement's time not in the wall), ``held_out.jsonl`` (the held-out reward before training,
 after each of ``eval_points`` evenly spaced updates, on the weights the servers serve
 then, which the default schedule publishes one update behind, and after the last), with
 ``verl_rows=true`` ``verl_rows/update-<step>.jsonl``
@@ -337,6 +337,7 @@ class RLVRPipeline:
             new.append(row)
             if self.step_count in self.config.eval_steps():
                 self._held_out_point(self.step_count, self._measure())
+                self._last = time.perf_counter()  # an update's wall is its own: the measurement is not part of it
             self.metrics.record({
                 "reward_mean": row.get("rollout/reward/mean"), "update_step": row["updates"],
                 "policy_version": scheduler.get("version"), "policy_lag": scheduler.get("lag"),
