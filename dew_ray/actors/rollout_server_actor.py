@@ -49,7 +49,6 @@ from dew.inference.rollout_server import settle
 from dew_ray.actor_loss import actor_lost
 from dew_ray.actors.actor_replicas import RESTART_WAIT, answer
 from dew_ray.actors.keyed_calls import KeyedCalls
-from dew_ray.actors.shared_argument import SharedArgument, resolved
 from dew_ray.weight_broadcast import WeightBroadcast
 from dew.validation import positive_int
 
@@ -91,7 +90,6 @@ class RolloutServerHost:
                  pushed: bool = True, api_keys: Sequence[str] = (), stale: bool = False):
         # stale: it joins a running pool and serves nothing before its first load
         self.stale = stale or (pushed and restarted_actor())
-        task = resolved(task)  # a SharedArgument from start_rollout_servers
         self.rollout = NativeRolloutServer(Server.from_task(task, slots=slots, capacity=capacity, lanes=lanes),
                                            version=version, landing=landing)
         self._draws = KeyedCalls(self.rollout.cancel)
@@ -339,7 +337,7 @@ def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: i
     brings a lost server back).
     """
     positive_int("count", count)
-    task = SharedArgument(ray.put(task))  # one put for every server, held by the pool (ServerPool's task)
+    task = ray.put(task)  # one put for every server, held by the pool (ServerPool's task)
     actors = [RolloutServerActor.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **options)
               .remote(task, slots, capacity, lanes=lanes, version=version, http=http, pushed=pushed)
               for i in range(count)]

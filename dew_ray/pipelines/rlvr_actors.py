@@ -50,7 +50,6 @@ from dew_ray.pipelines.rlvr_job import (
     trainer_job,
 )
 from dew_ray.actors.rollout_server_actor import RolloutServerActor
-from dew_ray.actors.shared_argument import SharedArgument
 from dew_ray.placement import RolePlacement
 from dew.recipes.rlvr_recipe import SANDBOX_LIMITS
 from dew.recipes.run_inputs import DTYPES
@@ -95,7 +94,7 @@ class RLVRActors:
         self.fleet = RemoteFleet(self.runners, workers=config.sandbox_workers)
         if self.setup.environment is not None:  # each worker builds the environment in its own process
             # held for the run: a restarted worker builds its environment from it again
-            self.environment_build = SharedArgument(ray.put(PipelineEnvironment(self.setup, self.runners)))
+            self.environment_build = ray.put(PipelineEnvironment(self.setup, self.runners))
             self.environment_workers = start_environment_workers(
                 config.environment_workers, self.pool, build=self.environment_build,
                 server_timeout=config.server_timeout, workers=config.slots, **self.setup.episode_options(),
