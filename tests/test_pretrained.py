@@ -84,6 +84,25 @@ def test_a_dew_model_round_trips_through_its_hugging_face_form(tmp_path):
     assert set(load_file(str(tmp_path / "model.safetensors"))) == set(pretrained.export(variables))
 
 
+def test_a_tied_model_saved_untied_has_its_output_layer_as_a_tensor_of_its_own(tmp_path):
+    """What SafetensorsReload writes for vLLM (whose reload leaves a tied output layer stale): the same model."""
+    model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1, num_heads=2,
+                         mlp_features=24, max_seq_len=16, qk_norm=True)
+    variables = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, 4), jnp.int32))
+    pretrained = Pretrained.from_model(model)
+    assert pretrained.config["tie_word_embeddings"]
+    pretrained.save(variables, tmp_path, untied=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    np.testing.assert_array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    loaded_model, loaded = load_pretrained(tmp_path)
+    assert not loaded_model.tie_embeddings and pretrained.config["tie_word_embeddings"]  # the model's own stays tied
+    tokens = np.arange(8)[None] % 32
+    # the same numbers up to float32 rounding: an output kernel and the embedding read transposed sum in other orders
+    np.testing.assert_allclose(jax.jit(loaded_model.apply)(loaded, tokens), jax.jit(model.apply)(variables, tokens),
+                               atol=1e-6)
+
+
 def test_unsupported_checkpoints_are_refused(tmp_path):
     config = json.loads((FIXTURES / "hf_llama" / "config.json").read_text())
     for change, message in (
