@@ -61,9 +61,10 @@ def test_two_deterministic_asynchronous_runs_train_the_same_bits(sharp_decoder, 
 
 
 # How long, never what; and "verdicts", the sandbox verdicts returned since the previous update, which counts how many
-# of the next batch's programs (drawn ahead) had finished by the time this update ended.
-TIMING = ("wall", "waited", "rollout/latency/", "train/record/seconds", "train/seconds/", "scheduler/push_seconds",
-          "verdicts")
+# of the next batch's programs (drawn ahead) had finished by the time this update ended; "train/record/bytes", the size
+# of a step's record, whose metadata writes that step's timings as JSON numbers (0.5 and 0.123456 differ in length).
+TIMING = ("wall", "waited", "rollout/latency/", "train/record/seconds", "train/record/bytes", "train/seconds/",
+          "scheduler/push_seconds", "verdicts")
 
 
 @pytest.mark.ray

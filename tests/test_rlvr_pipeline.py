@@ -25,6 +25,7 @@ from conftest import ROOT, free_port, import_from, make_parity_judge  # noqa: E4
 
 from dew.collection.scoring import completion_ids  # noqa: E402
 from dew.data.verifiable import task_tokenizer  # noqa: E402
+from dew.models.packed_attention import SharedPromptRows  # noqa: E402
 from dew.recipes.run_inputs import load_tokenizer  # noqa: E402
 from dew.records.verl_rows import from_verl, to_verl  # noqa: E402
 from dew_ray.pipelines.rlvr import RLVRPipeline, RLVRPipelineConfig, load_config  # noqa: E402
@@ -440,10 +441,13 @@ def test_a_users_model_and_prompts_are_read_rendered_and_checked_before_any_work
                                  for row in verl_rows]
     assert verl.prompt_len == max(map(len, verl.held_out.ids)) and verl.held_out_source == f"val_prompts {VERL_PARQUET}"
     # the built-in decoder on these prompts: its warm start's demonstrations must fit the rows too
-    built_in = plan_run(load_config(None, [f"prompts={parquet}"]))
+    built_in_config = load_config(None, [f"prompts={parquet}"])
+    built_in = plan_run(built_in_config)
     demos = max(len(built_in.policy.tokenizer.encode(t.prompt, add_special_tokens=False)) for t in built_in.built_in)
     assert built_in.prompt_len == max(built_in.train.longest, built_in.held_out.longest, demos)
-    assert built_in.policy.model.max_seq_len == built_in.width and built_in.train.rows == rows
+    # its positions reach as far as a packed row of shared prompts (a task's prompt once, then a slot per sample)
+    shared = SharedPromptRows(built_in.prompt_len - 1, built_in_config.samples, built_in.width - built_in.prompt_len + 1)
+    assert built_in.policy.model.max_seq_len == shared.width > built_in.width and built_in.train.rows == rows
     thinking = plan_run(load_config(None, [f"model={model}", f"prompts={parquet}", "enable_thinking=false"]))
     assert thinking.train.ids[0] == list(tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True,
                                                                        tokenize=True, enable_thinking=False,

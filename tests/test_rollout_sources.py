@@ -233,7 +233,8 @@ def test_environment_source_limits_truncate(eos_server):
     harness = Harness()
     with source(eos_server, harness, max_new_tokens=1, max_turns=2) as environments:
         budget = [f.result(60) for f in environments.submit(Task("1", {"prompt_ids": [20, 21], "turns": 1}), 0, 8)]
-        turns = [f.result(60) for f in environments.submit(Task("2", {"prompt_ids": [20, 21], "turns": 5}), 0, 8)]
+        # 32 samples: a sample needs EOS on both its draws to reach the turn limit, so 8 left none often enough
+        turns = [f.result(60) for f in environments.submit(Task("2", {"prompt_ids": [20, 21], "turns": 5}), 0, 32)]
     with source(eos_server, harness, max_prompt_tokens=8, max_new_tokens=3) as environments:
         context = [f.result(60) for f in environments.submit(Task("3", {"prompt_ids": [20, 21, 22], "turns": 9}), 0, 4)]
         long_prompt = environments.submit(Task("4", {"prompt_ids": list(range(16, 25)), "turns": 1}), 0, 1)[0].result(60)

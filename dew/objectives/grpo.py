@@ -220,15 +220,17 @@ class GRPOObjective(Objective):
         """
         ids, segments = batch["input_ids"], batch["text_segment_ids"]
         prefix = batch.get("text_prefix_segments")
+        # A model without shared prefixes (any flax module taking segment ids and positions) is called as before;
+        # the prefix and layout keywords go only where a batch or the objective carries them.
         if self.layout is None:
-            logits = self.model.apply(
-                params, ids[:, :-1], segment_ids=segments[:, :-1], positions=batch["text_positions"][:, :-1],
-                prefix_segments=None if prefix is None else prefix[:, :-1],
-            )
+            shared = {} if prefix is None else {"prefix_segments": prefix[:, :-1]}
+            logits = self.model.apply(params, ids[:, :-1], segment_ids=segments[:, :-1],
+                                      positions=batch["text_positions"][:, :-1], **shared)
         else:  # the whole row keeps the layout's slots; the last id predicts nothing
             layout = self.layout.with_width(ids.shape[1])
+            shared = {} if prefix is None else {"prefix_segments": prefix}
             logits = self.model.apply(params, ids, segment_ids=segments, positions=batch["text_positions"],
-                                      prefix_segments=prefix, layout=layout)[:, :-1]
+                                      layout=layout, **shared)[:, :-1]
         if self.sampling_temperature is not None:
             logits = logits / self.sampling_temperature
         scores = token_log_probs(logits, ids[:, 1:])
