@@ -92,8 +92,28 @@ def step_time(rounds: int, steps: int, bf16: bool) -> dict:
         print(f"round {index}: TRL {statistics.median(seconds['TRL GRPOTrainer']):.1f} s per step, dew-ray "
               f"{statistics.median(seconds['dew-ray rlvr']):.1f} s per update", flush=True)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
+    plot_step_time(seconds, bf16)
     return {"steps": steps, "rounds": rounds, "peer_bf16": bf16, "seconds_per_step": medians,
             "all_seconds": seconds, "ratio_dew_over_trl": medians["dew-ray rlvr"] / medians["TRL GRPOTrainer"]}
+
+
+def plot_step_time(seconds: dict[str, list[float]], bf16: bool) -> None:
+    """Every measured step of each side as a point, its median as a bar: bench/results/trl_grpo_step_time.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    for index, (name, values) in enumerate(seconds.items()):
+        label = name + (" (bf16)" if bf16 and name.startswith("TRL") else "")
+        axis.bar(index, statistics.median(values), color="C%d" % index, alpha=0.6, label=label)
+        axis.scatter([index] * len(values), values, color="black", s=12, zorder=3)
+    axis.set_xticks(range(len(seconds)), list(seconds))
+    axis.set_ylabel("seconds per GRPO step (8 prompts x 8 samples)")
+    axis.set_title("SmolLM2-135M-Instruct GRPO step, 2-core CPU")
+    figure.tight_layout()
+    figure.savefig(RESULTS / "trl_grpo_step_time.png", dpi=120)
 
 
 def dew_curve(run_dir: Path) -> list[tuple[float, float]]:

@@ -81,8 +81,14 @@ class Clock(TrainerCallback):
         self.write({"held_out": reward, "step": step, "train_seconds": self.trained})
         print(f"held-out reward {reward:.3f} at step {step} ({self.trained:.0f} s of training)", flush=True)
 
+    @property
+    def measuring(self) -> bool:
+        """Held-out points only where asked for (``--eval-every``): a step-time run measures none."""
+        return self.eval_every < 10 ** 9
+
     def on_train_begin(self, args, state, control, model=None, **_):
-        self.measure(model, 0)
+        if self.measuring:
+            self.measure(model, 0)
         self.began = time.perf_counter()
 
     def on_step_end(self, args, state, control, model=None, **_):
@@ -91,8 +97,8 @@ class Clock(TrainerCallback):
         rewards = [entry["reward"] for entry in state.log_history if "reward" in entry]
         self.write({"step": state.global_step, "seconds": seconds, "train_seconds": self.trained,
                     "reward": rewards[-1] if rewards else None})
-        if state.global_step % self.eval_every == 0 or self.trained >= self.seconds or \
-                state.global_step >= args.max_steps:
+        if self.measuring and (state.global_step % self.eval_every == 0 or self.trained >= self.seconds
+                               or state.global_step >= args.max_steps):
             self.measure(model, state.global_step)
         if self.trained >= self.seconds:
             control.should_training_stop = True
