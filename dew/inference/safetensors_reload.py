@@ -29,9 +29,9 @@ A replica can be left out of pushes while it does not answer (``set_aside(url)``
 back once it serves ``version`` (the version it reports: vLLM's ``GET /weight_info``,
 SGLang's ``GET /get_model_info``; in a process that has pushed nothing, any pushed version
 from ``version`` on: another process publishes, as the trainers do while the driver's pool
-only measures), first catching it up when the directory holds that version and this process
-wrote it: the replica sequence, then the landing check
-against the probe values of that push. ``move(old, new)`` follows a replica its host started
+only measures). When this process wrote that version it first catches the replica up if it
+does not serve it (the replica sequence), then runs the landing check against the probe values
+of that push, also on a replica that read the version by itself (its host started it again). ``move(old, new)`` follows a replica its host started
 again at another address (it stays set aside until it rejoins).
 
 ``Publication(push, version=v0, stamp=None)`` makes a push a :class:`WeightPublisher`:
@@ -158,14 +158,16 @@ class SafetensorsReload:
         from the catch-up raises, and it stays aside."""
         with self._lock:
             newer = self._written is None  # another process publishes: what it pushed last is served
-            if not serves(url, self.engine, version, self.timeout, newer) and self._written is not None \
-                    and self._written[0] == version:
+            ours = self._written is not None and self._written[0] == version
+            if ours and not serves(url, self.engine, version, self.timeout, newer):
                 (self._vllm if self.engine == "vllm" else self._sglang)(url, version)
-                if self.landing is not None:
-                    self.published.update(land(self.landing, [url], self.engine, self._written[1], version,
-                                               self.timeout))
             if not serves(url, self.engine, version, self.timeout, newer):
                 return False
+            # Checked even when it served the version already: an engine its host started again read the directory
+            # by itself, and only the landing check shows that it serves those weights.
+            if ours and self.landing is not None:
+                self.published.update(land(self.landing, [url], self.engine, self._written[1], version,
+                                           self.timeout))
             self.aside.discard(url)
             return True
 
