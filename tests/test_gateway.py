@@ -23,7 +23,9 @@ import socket
 import subprocess
 import threading
 import time
+import tomllib
 import urllib.error
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -521,7 +523,9 @@ def harbor_docker(tmp_path_factory, container_engine):
         "else echo 0 > /logs/verifier/reward.txt; fi\n")
     bridge = docker_bridge_gateway(container_engine.BASE_IMAGE)
     trials = tmp_path_factory.mktemp("harbor-docker-trials")
-    outside = f"{socket.gethostbyname('pypi.org')}:443"  # an address the trials must not reach: PyPI's
+    # an address the trials must not reach: the package index uv.lock names, reachable from this machine
+    registry = urllib.parse.urlsplit(tomllib.loads((ROOT / "uv.lock").read_text())["package"][0]["source"]["registry"])
+    outside = f"{socket.gethostbyname(registry.hostname)}:443"
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "OPENAI_API_KEY": "unused", "DEW_PROBE": outside}
     return (lambda agent, allow: HarborCLI(tasks, trials, harbor=str(python.parent / "harbor"), agent=agent,
                                            allow_hosts=allow, env=env, timeout=600,

@@ -38,13 +38,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BASE_IMAGE = "dew-ray/base:bookworm"
 PROJECT_IMAGE = "dew-ray/dew-ray:latest"
-DEBIAN_MIRROR = "http://deb.debian.org/debian"
+APT_SOURCES = (Path("/etc/apt/sources.list.d"), Path("/etc/apt/sources.list"))
 # Docker CLI plugins Harbor drives, from Debian trixie's packages (bookworm has Compose 1.29 and no buildx).
 PLUGINS = {
     "compose": "pool/main/d/docker-compose/docker-compose_2.26.1-4_amd64.deb",
     "buildx": "pool/main/d/docker-buildx/docker-buildx_0.13.1+ds1-3_amd64.deb",
 }
 PLUGIN_DIR = Path("/usr/local/lib/docker/cli-plugins")
+
+
+def debian_mirror() -> str:
+    """The Debian archive this machine's apt uses (``$DEW_DEBIAN_MIRROR`` first): debootstrap and the plugin
+    packages come from where the machine already installs its packages, so no host is written here."""
+    if os.environ.get("DEW_DEBIAN_MIRROR"):
+        return os.environ["DEW_DEBIAN_MIRROR"].rstrip("/")
+    files = [f for place in APT_SOURCES for f in (sorted(place.glob("*.sources")) + sorted(place.glob("*.list"))
+                                                  if place.is_dir() else [place] if place.exists() else [])]
+    for path in files:
+        for line in path.read_text().splitlines():
+            words = line.split()
+            uris = words[1:] if words[:1] == ["URIs:"] else words[1:2] if words[:1] == ["deb"] else []
+            for uri in uris:
+                if uri.startswith("http") and not uri.rstrip("/").endswith("-security"):
+                    return uri.rstrip("/")
+    raise RuntimeError(f"no Debian archive found in apt's sources ({', '.join(map(str, APT_SOURCES))}): set "
+                       "DEW_DEBIAN_MIRROR to the archive's URL (the folder that holds dists/ and pool/)")
 STATE = Path(os.environ.get("DEW_ENGINE_HOME", Path.home() / ".cache" / "dew-ray" / "engines")).parent
 PID_FILE = STATE / "dockerd.pid"
 LOG_FILE = STATE / "dockerd.log"
@@ -154,7 +172,7 @@ def build_base(tag: str = BASE_IMAGE) -> bool:
         return False
     debootstrap = shutil.which("debootstrap") or "/usr/sbin/debootstrap"
     with tempfile.TemporaryDirectory(prefix="dew-rootfs-") as rootfs:
-        _run([debootstrap, "--variant=minbase", "--include=python3", "bookworm", rootfs, DEBIAN_MIRROR],
+        _run([debootstrap, "--variant=minbase", "--include=python3", "bookworm", rootfs, debian_mirror()],
              "building the base image (debootstrap)")
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
         _run(["docker", "import", "-", tag], "building the base image (docker import)", stdin=tar.stdout)
@@ -194,7 +212,7 @@ def install_plugins() -> list[str]:
             raise ContainerEngineError(f"{step}: writing {PLUGIN_DIR / ('docker-' + name)} needs root")
         with tempfile.TemporaryDirectory(prefix="dew-plugin-") as folder:
             deb = Path(folder) / "plugin.deb"
-            _run(["curl", "-fsSL", "-o", str(deb), f"{DEBIAN_MIRROR}/{package}"], f"{step} (downloading {package})")
+            _run(["curl", "-fsSL", "-o", str(deb), f"{debian_mirror()}/{package}"], f"{step} (downloading {package})")
             _run(["dpkg-deb", "-x", str(deb), str(Path(folder) / "files")], f"{step} (unpacking {deb.name})")
             PLUGIN_DIR.mkdir(parents=True, exist_ok=True)
             shutil.copy2(Path(folder) / "files" / "usr/libexec/docker/cli-plugins" / f"docker-{name}",
