@@ -31,8 +31,9 @@ SGLang's ``GET /get_model_info``; in a process that has pushed nothing, any push
 from ``version`` on: another process publishes, as the trainers do while the driver's pool
 only measures). When this process wrote that version it first catches the replica up if it
 does not serve it (the replica sequence), then runs the landing check against the probe values
-of that push, also on a replica that read the version by itself (its host started it again). ``move(old, new)`` follows a replica its host started
-again at another address (it stays set aside until it rejoins).
+of that push, also on a replica that read the version by itself (its host started it again).
+``move(old, new)`` follows a replica its host started again at another address (it stays set
+aside until it rejoins).
 
 ``Publication(push, version=v0, stamp=None)`` makes a push a :class:`WeightPublisher`:
 ``load(variables, v)`` runs the push, then the stamp, and moves ``version`` to ``v`` only
@@ -159,9 +160,11 @@ class SafetensorsReload:
         with self._lock:
             newer = self._written is None  # another process publishes: what it pushed last is served
             ours = self._written is not None and self._written[0] == version
-            if ours and not serves(url, self.engine, version, self.timeout, newer):
+            serving = serves(url, self.engine, version, self.timeout, newer)
+            if ours and not serving:  # caught up, then asked again
                 (self._vllm if self.engine == "vllm" else self._sglang)(url, version)
-            if not serves(url, self.engine, version, self.timeout, newer):
+                serving = serves(url, self.engine, version, self.timeout, newer)
+            if not serving:
                 return False
             # Checked even when it served the version already: an engine its host started again read the directory
             # by itself, and only the landing check shows that it serves those weights.
