@@ -34,6 +34,7 @@ from dew_ray.pipelines import rlvr as rlvr_module  # noqa: E402
 from dew_ray.pipelines.rlvr import PreflightError, RLVRPipeline  # noqa: E402
 from dew_ray.pipelines.rlvr_config import load_config  # noqa: E402
 from dew_ray.pipelines.rlvr_fleet import REQUESTS  # noqa: E402
+from dew_ray.pipelines import run_dirs  # noqa: E402
 from dew_ray.pipelines.run_dirs import shared_on_nodes  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -111,6 +112,30 @@ def test_a_run_directory_one_node_does_not_share_is_refused_naming_the_node(thre
     finally:  # the raylet and its agents too: `ray start --block` does not take them down when stopped
         os.killpg(node.pid, signal.SIGKILL)
         node.wait(60)
+
+
+def test_a_check_lost_with_its_worker_is_asked_again_until_its_time_is_up(three_nodes, tmp_path, monkeypatch):
+    """The chaos run met it: a node being removed is still listed alive when the check's worker dies with it; a node
+    that has left is passed over (the test above)."""
+    crashed = tmp_path / "crashed-once"
+    real_check = run_dirs._node_check
+
+    def crash_the_first_time(run_dir, token):
+        if not crashed.exists():
+            crashed.write_text("1")
+            os._exit(1)  # the worker dies under the task: Ray reports a RayError, not an answer
+        return real_check(run_dir, token)
+
+    monkeypatch.setattr(run_dirs, "_node_check", crash_the_first_time)
+    alive = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    shared_on_nodes(tmp_path, alive)
+    assert crashed.exists()
+    # a check that keeps failing on a node that stays alive is reported with Ray's error once the time is up
+    monkeypatch.setattr(run_dirs, "_node_check", lambda run_dir, token: os._exit(1))
+    node = next(iter(alive))
+    with pytest.raises(PreflightError, match=f"not shared with node {node[:8]} .*(its check|before that it) failed "
+                                             "\\(WorkerCrashedError"):
+        shared_on_nodes(tmp_path, {node: alive[node]}, timeout=5)
 
 
 def step_then_lose(step_group, trainers, count):

@@ -24,6 +24,7 @@ import argparse
 import math
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -99,23 +100,24 @@ def shared_on_nodes(run_dir: Path, nodes: dict[str, str], timeout: float = 120.0
     """Prove that every node in ``nodes`` (node id -> address) reaches the run directory the driver writes: a small
     task on each reads a file the driver wrote, writes its own, reads it back and removes it. Raises PreflightError
     naming the first node that does not. A node that leaves the cluster before its check has run is passed over:
-    it holds none of the run's actors any more (Ray moves their bundles to nodes that are left)."""
+    it holds none of the run's actors any more (Ray moves their bundles to nodes that are left). A check that Ray
+    could not run (its worker or node lost) is asked again until ``timeout``: a node being removed stays listed
+    alive until Ray's health check has missed it several times, and is passed over once it is marked dead."""
     token = uuid.uuid4().hex
     mark = run_dir / f".dew-shared-{token}"
     mark.write_text(token)
     check = ray.remote(_node_check)
+
+    def ask(node: str):
+        # max_retries=0: a lost check is asked again here, where a node that left is passed over
+        where = NodeAffinitySchedulingStrategy(node, soft=False)
+        return check.options(num_cpus=0, max_retries=0, scheduling_strategy=where).remote(str(run_dir), token)
+
     try:
-        asked = {node: check.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                 .remote(str(run_dir), token) for node in nodes}
+        asked = {node: ask(node) for node in nodes}
+        deadline = time.monotonic() + timeout
         for node, ref in asked.items():
-            try:
-                problem = ray.get(ref, timeout=timeout)
-            except GetTimeoutError:
-                problem = f"its check did not finish within {timeout:g} s"
-            except RayError as error:  # the task could not run there, or was lost with its node
-                if node not in alive_nodes():
-                    continue
-                problem = f"its check failed ({type(error).__name__}: {str(error)[:300]})"
+            problem = _answer(node, ref, deadline, ask, timeout)
             if problem is not None:
                 raise PreflightError(
                     f"the run directory {run_dir} is not shared with node {node[:8]} ({nodes[node]}): {problem}. "
@@ -123,6 +125,25 @@ def shared_on_nodes(run_dir: Path, nodes: dict[str, str], timeout: float = 120.0
                     "filesystem mounted on every node); set run_dir to such a path")
     finally:
         mark.unlink(missing_ok=True)
+
+
+def _answer(node: str, ref, deadline: float, ask: Callable, timeout: float) -> str | None:
+    """One node's check: None when it passed or the node has left the cluster, else what failed."""
+    failed = None  # Ray's last error for this node's check
+    while True:
+        try:
+            return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+        except GetTimeoutError:
+            before = f"; before that it failed ({failed})" if failed else ""
+            return f"its check did not finish within {timeout:g} s{before}"
+        except RayError as error:  # the task could not run there, or was lost with its worker or node
+            if node not in alive_nodes():
+                return None
+            failed = f"{type(error).__name__}: {str(error)[:300]}"
+            if time.monotonic() >= deadline:
+                return f"its check failed ({failed})"
+            time.sleep(1.0)
+            ref = ask(node)
 
 
 def check_sandbox(runner: str, image: str = CONTAINER_IMAGE):
