@@ -65,21 +65,20 @@ def behaviour(directory: Path, problems, tokenizer) -> dict:
     model, variables = load_pretrained(directory)
     server = Server(model, variables, Sampling(temperature=0.0, eos_id=tokenizer.eos_token_id), slots=64,
                     capacity=160, dtype=jnp.bfloat16)
-    numbers = {}
-    for task in problems:
+    numbers = {}  # request -> the problem's index (tasks hold dicts: not hashable)
+    for index, task in enumerate(problems):
         ids = tokenizer.apply_chat_template(task.row()["prompt"], tokenize=True, add_generation_prompt=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        numbers[server.submit(ids, 64)] = task
-    answers = {}
+        numbers[server.submit(ids, 64)] = index
+    answers = [""] * len(problems)
     while server.busy:
         for done in server.step():
             answers[numbers[done.request]] = tokenizer.decode(done.ids, skip_special_tokens=True)
     reward = LastNumberReward()
-    right = [reward(task.data_source, answers[task], task.ground_truth, "") for task in problems]
-    closing = [bool(CLOSING_PATTERN.search(answers[task])) for task in problems]
-    return {"right": float(np.mean(right)), "closing": float(np.mean(closing)),
-            "example": answers[problems[0]], "length": float(np.mean([len(tokenizer.encode(answers[t]))
-                                                                       for t in problems]))}
+    right = [reward(task.data_source, answer, task.ground_truth, "") for task, answer in zip(problems, answers)]
+    closing = [bool(CLOSING_PATTERN.search(answer)) for answer in answers]
+    return {"right": float(np.mean(right)), "closing": float(np.mean(closing)), "example": answers[0],
+            "length": float(np.mean([len(tokenizer.encode(answer)) for answer in answers]))}
 
 
 def write_data(folder: Path, count: int, seed: int) -> tuple[Path, Path]:

@@ -102,6 +102,15 @@ messages = st.lists(st.fixed_dictionaries({"role": st.one_of(roles, roles, roles
 
 
 @FUZZ
+@given(records_of({"prompt": messages | texts, "chosen": messages, "rejected": messages}))
+def test_preference_pairs_of_chat_messages_load_or_name_the_row(records):
+    good = [{"prompt": [{"role": "user", "content": "Tom had a cat."}],
+             "chosen": [{"role": "assistant", "content": "The cat was red."}],
+             "rejected": [{"role": "assistant", "content": "The dog ran."}]}]
+    check_loader(lambda rows: PreferencePairs(rows, seq_len=48, tokenizer=TOKENIZER), records, good)
+
+
+@FUZZ
 @given(records_of({"prompt": ids | texts | messages, "data_source": texts, "ground_truth": texts,
                    "extra_info": json_values, "reward_model": json_values}))
 def test_prompts_load_or_name_the_row(records):

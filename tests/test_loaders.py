@@ -127,6 +127,34 @@ def tokenizer():
     return story_tokenizer()
 
 
+def test_conversational_pairs_mask_what_each_side_adds_to_the_prompts_render(tokenizer):
+    """TRL's conversational explicit-prompt layout, tokenized as its DPOTrainer does: the prompt with the generation
+    header, then what the render of prompt and answer adds; the template closes the turn, so no EOS is added."""
+    prompt = [{"role": "user", "content": "Tom had a red ball."}]
+    record = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "He was happy."}],
+              "rejected": [{"role": "assistant", "content": "It was sad."}]}
+    batch = first_batch(PreferencePairs(records=[record] * 2, seq_len=48, tokenizer=tokenizer).load(batch=2))
+    context = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    context = context["input_ids"] if hasattr(context, "keys") else context
+    for index, side in enumerate(("chosen", "rejected")):
+        ids, mask = batch["input_ids"][0, index], batch["completion_mask"][0, index]
+        length = int((mask > 0).sum()) + len(context)
+        assert ids[:len(context)].tolist() == list(context) and not mask[:len(context)].any()
+        assert tokenizer.decode(ids[:length]) == f"<|user|>Tom had a red ball.<|endoftext|><|assistant|>" \
+                                                 f"{record[side][0]['content']}<|endoftext|>"
+        assert mask[len(context):length].all() and not mask[length:].any() and (ids[length:] == 0).all()
+    with pytest.raises(RecordError, match="row 0, field 'prompt': a conversational pair needs the prompt as a "
+                                          "non-empty list of chat messages"):
+        PreferencePairs(records=[{**record, "prompt": "Tom had a red ball."}], seq_len=48,
+                        tokenizer=tokenizer).load(batch=1)
+    with pytest.raises(RecordError, match="row 0, field 'rejected': message 0 has no 'content' string"):
+        PreferencePairs(records=[{**record, "rejected": [{"role": "assistant"}]}], seq_len=48,
+                        tokenizer=tokenizer).load(batch=1)
+    with pytest.raises(RecordError, match="row 0, field 'chosen': holds chat messages, so PreferencePairs needs a "
+                                          "tokenizer"):
+        PreferencePairs(records=[record], seq_len=48).load(batch=1)
+
+
 def prompt_batch(records, **options):
     options = {"max_prompt_len": 6, "loading": Loading(shuffle=False), **options}
     return first_batch(Prompts(records=records, **options).load(batch=len(records)))

@@ -16,11 +16,19 @@ layout, ``prompt``, ``chosen`` and ``rejected`` strings: each side becomes the p
 followed by the answer's (no special tokens added) and the tokenizer's EOS, if it has one,
 with the mask on the answer and EOS. A text pair without a ``prompt`` (TRL's implicit
 layout) is refused, since its boundary would have to be guessed.
+
+The conversational form of that layout (TRL's too) holds ``prompt`` as a list of chat messages
+and each side as the messages that answer it (usually one assistant message). As TRL's
+DPOTrainer does, the prompt is rendered with the generation header and the prompt with each
+side's messages without it; the side's ids are what the second render adds (masked 1; the
+template closes the turn, so no EOS is added). Where the first render is not a prefix of the
+second (a template that renders a prompt differently when an answer follows), TRL trains from
+where they diverge; PreferencePairs refuses the row instead, naming it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +80,8 @@ class PreferencePairs(PartitionedLoader):
                 raise record.error(side, f"missing; a preference pair needs {' and '.join(SIDES)}")
             if isinstance(record.fields[side], str):
                 sequence, weights = self.text_side(record, side)
+            elif _messages_like(record.fields[side]):
+                sequence, weights = self.chat_side(record, side)
             else:
                 sequence, weights = token_ids(record, side, record.fields[side]), record.fields.get(f"{side}_mask")
             if not sequence:
@@ -106,3 +116,50 @@ class PreferencePairs(PartitionedLoader):
         eos = getattr(self.tokenizer, "eos_token_id", None)
         answer += [] if eos is None else [int(eos)]
         return context + answer, [0] * len(context) + [1] * len(answer)
+
+    def chat_side(self, record: Record, side: str) -> tuple[list[int], list[int]]:
+        """The ids and mask of one conversational side: the prompt's render with the generation header, then what
+        the render of the prompt and this side's messages adds (masked 1)."""
+        if self.tokenizer is None:
+            raise record.error(side, "holds chat messages, so PreferencePairs needs a tokenizer (tokenizer=...)")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise record.error(side, "holds chat messages but the tokenizer has no chat template")
+        prompt = record.fields.get("prompt")
+        if not _messages_like(prompt):
+            raise record.error("prompt", "a conversational pair needs the prompt as a non-empty list of chat messages "
+                               "(TRL's explicit-prompt layout); dew never guesses where the prompt ends")
+        messages = _checked_messages(record, "prompt", prompt) + _checked_messages(record, side, record.fields[side])
+        context = self._chat_ids(record, "prompt", messages[:len(prompt)], generation=True)
+        whole = self._chat_ids(record, side, messages, generation=False)
+        if whole[:len(context)] != context:
+            raise record.error(side, "the chat template renders the prompt differently when this side's messages "
+                               "follow it, so where the answer starts would have to be guessed; give token ids with "
+                               f"{side}_mask instead")
+        if len(whole) == len(context):
+            raise record.error(side, "adds nothing to the prompt's render")
+        return whole, [0] * len(context) + [1] * (len(whole) - len(context))
+
+    def _chat_ids(self, record: Record, field: str, messages: list[dict], generation: bool) -> list[int]:
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True)
+        except Exception as error:  # a template's own checks raise many types
+            raise record.error(field, f"the chat template refused these messages ({error})") from None
+        if isinstance(rendered, Mapping):  # transformers may return a BatchEncoding
+            rendered = rendered["input_ids"]
+        return [int(i) for i in rendered]
+
+
+def _messages_like(value) -> bool:
+    """A non-empty list whose items are mappings: chat messages, not token ids."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(item, Mapping) for item in value)
+
+
+def _checked_messages(record: Record, field: str, messages: Sequence[Mapping]) -> list[dict]:
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message.get("role"), str):
+            raise record.error(field, f"message {index} has no 'role'")
+        if not isinstance(message.get("content"), str):
+            raise record.error(field, f"message {index} has no 'content' string")
+        out.append(dict(message))
+    return out
