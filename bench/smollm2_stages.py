@@ -1,7 +1,8 @@
 """`dew-ray sft` and `dew-ray dpo` on the real SmolLM2-135M-Instruct: a targeted behaviour before and after, and the
 exported directories read back by transformers.
 
-    uv run python bench/smollm2_stages.py [--sft-steps 40] [--dpo-steps 40] [--skip-transformers]
+    uv run python bench/smollm2_stages.py [--sft-steps 40] [--dpo-steps 40] [--stages sft dpo]
+        [--sft-learning-rate 2e-5] [--dpo-learning-rate 5e-6] [--skip-transformers]
 
 The behaviour is how SmolLM2 answers the built-in one-step word problems (:mod:`dew.data.word_problems`): it
 often goes on after a right sum and ends on another number. Measured on 64 held-out problems (operand pairs no
@@ -17,7 +18,7 @@ reference answers' closing.
 
 Each exported ``policy/`` directory is then loaded by transformers (the reference environment, ``.venv-ref``)
 and its logits on three prompts compared with dew's own. Writes bench/results/smollm2_stages.json and a bar
-plot, smollm2_stages.png.
+plot, smollm2_stages.png (smollm2_stages_dpo.* and so on when ``--stages`` names some).
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft-steps", type=int, default=40)
     parser.add_argument("--dpo-steps", type=int, default=40)
+    parser.add_argument("--sft-learning-rate", type=float, default=2e-5)
+    parser.add_argument("--dpo-learning-rate", type=float, default=5e-6)
+    parser.add_argument("--stages", nargs="+", choices=["sft", "dpo"], default=["sft", "dpo"])
     parser.add_argument("--skip-transformers", action="store_true", help="no reference environment: skip that check")
     args = parser.parse_args(argv)
     model = smollm2.build(quiet=True)
@@ -140,11 +144,14 @@ def main(argv=None) -> int:
         sft_data, dpo_data = write_data(scratch, 256, seed=0)
         results["model as built"] = behaviour(model, held_out, tokenizer)
         print("model as built:", results["model as built"], flush=True)
-        policies = {
-            "after dew-ray sft": stage("sft", model, sft_data, scratch / "sft", args.sft_steps, 2e-5, 127),
-            "after dew-ray dpo": stage("dpo", model, dpo_data, scratch / "dpo", args.dpo_steps, 5e-6, 128,
-                                       ("--set", "beta=0.1")),
-        }
+        policies = {}
+        if "sft" in args.stages:
+            policies[f"after dew-ray sft (lr {args.sft_learning_rate:g})"] = stage(
+                "sft", model, sft_data, scratch / "sft", args.sft_steps, args.sft_learning_rate, 127)
+        if "dpo" in args.stages:
+            policies[f"after dew-ray dpo (lr {args.dpo_learning_rate:g})"] = stage(
+                "dpo", model, dpo_data, scratch / "dpo", args.dpo_steps, args.dpo_learning_rate, 128,
+                ("--set", "beta=0.1"))
         prompts = ["The capital of France is",
                    tokenizer.apply_chat_template(held_out[0].row()["prompt"], tokenize=False, add_generation_prompt=True),
                    held_out[1].answer]
@@ -154,18 +161,19 @@ def main(argv=None) -> int:
                 results[name]["transformers_logit_difference"] = transformers_logits_difference(policy, tokenizer,
                                                                                                 prompts)
             print(f"{name}:", results[name], flush=True)
-    (RESULTS / "smollm2_stages.json").write_text(json.dumps(results, indent=2))
+    name = "smollm2_stages" if args.stages == ["sft", "dpo"] else f"smollm2_stages_{'_'.join(args.stages)}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2))
     print("\n| model | right (greedy, 64 held-out) | ends with \"The answer is N.\" | mean answer ids | "
           "transformers logit difference |\n| --- | --- | --- | --- | --- |")
     for name, row in results.items():
         difference = row.get("transformers_logit_difference")
         print(f"| {name} | {row['right']:.3f} | {row['closing']:.3f} | {row['length']:.1f} | "
               f"{'' if difference is None else f'{difference:.1e}'} |")
-    plot(results)
+    plot(results, name)
     return 0
 
 
-def plot(results: dict) -> None:
+def plot(results: dict, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,7 +190,7 @@ def plot(results: dict) -> None:
     axis.set_title("SmolLM2-135M-Instruct: dew-ray sft and dpo")
     axis.legend()
     figure.tight_layout()
-    figure.savefig(RESULTS / "smollm2_stages.png", dpi=120)
+    figure.savefig(RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":
