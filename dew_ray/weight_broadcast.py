@@ -110,13 +110,16 @@ class WeightBroadcast(WeightPublisher):
         if self.on_aside is not None:
             self.on_aside(name, why)
 
-    def rejoin(self, name: str, serving: int | None = None) -> bool:
+    def rejoin(self, name: str, serving: int | None = None, weights: tuple[object, int] | None = None) -> bool:
         """Load actor ``name`` (set aside) with the newest weights published, unless it is ``serving`` their
         version already, then include it in loads again; False (and it stays aside) when it does not load them
-        within ``timeout`` seconds."""
+        within ``timeout`` seconds. ``weights`` (variables, version) are loaded instead, once, by a publisher that
+        has published nothing and got them from whoever holds them; they do not become its newest."""
         with self._lock:
             actor, newest, version = self.actors[self.names.index(name)], self._newest, self._version
             earlier = self._unanswered.get(name)
+        if weights is not None:
+            newest, version = ray.put(host_tree(weights[0])), int(weights[1])
         if earlier is not None:  # it ends (lands or fails) before a newer load is sent: see the module docstring
             if not ray.wait([earlier], timeout=self.timeout)[0]:
                 return False

@@ -421,6 +421,37 @@ def test_a_restarted_rollout_server_loads_the_current_weights_before_it_draws(cl
         ray.kill(server.actor)
 
 
+def test_every_server_lost_while_only_the_driver_draws_comes_back_from_its_catch_up_source(cluster, serving,
+                                                                                          sharp_decoder):
+    """The whole role lost during a held-out measurement: the trainers' pool published version 1 and waits on the
+    driver, so nothing would load the restarted servers. The driver's pool, which never published, asks its
+    ``catch_up`` source (the driver's trainers) for the newest weights and brings each server back with them."""
+    pool = start_rollout_servers(serving, count=2, slots=2, capacity=64, version=0, num_cpus=0.5, timeout=5,
+                                 max_restarts=1)
+    pool.load(sharp_decoder[1], 1)
+    driver = ServerPool([RemoteRolloutServer(s.actor, s.name, version=1) for s in pool.servers], timeout=5)
+    asked = []
+    driver.catch_up = lambda: asked.append(1) or (sharp_decoder[1], 1)
+    for server in pool.servers:
+        os.kill(ray.get(server.actor.__ray_call__.remote(lambda host: os.getpid())), signal.SIGKILL)
+    drawn = []
+    for seed in range(4):
+        for _ in range(10):  # a caller draws again the draws that fail, as the measurement does
+            try:
+                drawn.append(driver.submit([20, 21], 4, seed=seed).result(120))
+                break
+            except ServerDied:
+                continue
+    assert len(drawn) == 4 and all(d.version == 1 for d in drawn), drawn
+    assert asked  # the restarted servers were loaded from the source, not left aside for a push that never comes
+    assert _wait_until(lambda: driver.live() == [0, 1], within=60), (driver.live(), driver.aside())
+    assert not driver.publisher.published  # the source's weights were loaded once, not kept as the pool's newest
+    for each in (pool, driver):
+        each.close()
+    for server in pool.servers:
+        ray.kill(server.actor)
+
+
 def test_a_server_added_mid_run_loads_the_newest_weights_first_and_a_removed_one_drains(cluster, serving,
                                                                                            endless, sharp_decoder):
     """A server joins a pool that has published version 1: it starts stale (serving its creation weights, version

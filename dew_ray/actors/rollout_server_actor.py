@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from typing import NamedTuple
@@ -249,6 +249,9 @@ class ServerPool(PooledRolloutServer):
 
     def __init__(self, servers: Sequence[RemoteRolloutServer], timeout: float | None = None, task=None):
         self.task = task
+        # catch_up() -> (variables, version) or None: the newest weights from whoever holds them, for a pool that has
+        # published nothing (the driver's) to bring a restarted server back by itself; None leaves it aside
+        self.catch_up: Callable[[], tuple[object, int] | None] | None = None
         self.servers = list(servers)
         if not self.servers:
             raise ValueError("ServerPool needs at least one server")
@@ -292,11 +295,14 @@ class ServerPool(PooledRolloutServer):
         return abandoned
 
     def _rejoin(self, index: int, served: Serving) -> bool:
-        """Bring a server that answers again to the newest weights (a restarted one only from a pool that has
-        published: the driver's pool leaves it aside until a trainer's has loaded it)."""
+        """Bring a server that answers again to the newest weights. A restarted one needs a pool that has published,
+        or one whose ``catch_up`` gives the newest weights (the driver's, from its trainers); otherwise it stays aside
+        until a pool that publishes has loaded it."""
+        name = self.servers[index].name
         if served.stale and not self.publisher.published:
-            return False
-        return self.publisher.rejoin(self.servers[index].name, None if served.stale else served.version)
+            newest = self.catch_up() if self.catch_up is not None else None
+            return newest is not None and self.publisher.rejoin(name, weights=newest)
+        return self.publisher.rejoin(name, None if served.stale else served.version)
 
     def _abandon(self, server: RemoteRolloutServer, future: DrawFuture, error: BaseException) -> bool:
         if not settle(future, None, error):  # its outcome came first

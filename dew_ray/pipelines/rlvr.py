@@ -77,13 +77,14 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 import jax
 import ray
 from flax import serialization
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from tqdm import tqdm
 
 from dew.experiment_trackers import MetricWriters
@@ -91,7 +92,7 @@ from dew.inference.engines import engine_dir, vllm_python
 from dew.recipes.rlvr_plan import PlanError, RunPlan, plan_run
 from dew.collection.sources import EnvironmentSource
 from dew.recipes.rlvr_recipe import measure_episodes, measure_reward
-from dew_ray.actors import step_group
+from dew_ray.actors import ServerPool, step_group
 from dew_ray.dashboard_metrics import PipelineMetrics
 from dew_ray.pipelines.rlvr_actors import RLVRActors
 from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
@@ -140,6 +141,9 @@ class RLVRPipeline:
         self.episodes: EnvironmentSource | None = None  # with an environment, the held-out episodes' source
         self.placement: list = []  # where each actor's bundle stood when the actors started (RolePlacement.where)
         self.fleet: RLVRFleet | None = None  # the rollout fleet's bounds, growth and changes (start() makes it)
+        # Whether the trainers wait on the driver (a held-out measurement): only then may the driver's pool ask them
+        # for the newest weights, so that its calls never come between a collective's calls to the group
+        self._trainers_idle, self._idle_lock = False, threading.Lock()
 
     @property
     def pool(self):
@@ -214,6 +218,8 @@ class RLVRPipeline:
         shared_on_nodes(self.run_dir, {where.node: where.address for where in self.placement})
         self.params = self._warm_params(setup, plan)
         actors.start_roles(self.params, self.runner, plan.judge)
+        if isinstance(self.pool, ServerPool):  # a server restarted while the driver measures catches up by itself
+            self.pool.catch_up = self._newest_weights
         if setup.environment is not None:  # the held-out episodes run here, on the driver's pool and fleet
             environment, verifier = PipelineEnvironment(setup, actors.runners).build(actors.fleet, actors.judge_pool)
             self.episodes = EnvironmentSource(self.pool, environment, verifier, workers=8, **setup.episode_options())
@@ -392,8 +398,30 @@ class RLVRPipeline:
         wall = sum(row["wall"] for row in later)
         return sum(row["waited"] or 0.0 for row in later) / wall if wall > 0 else None
 
+    def _newest_weights(self) -> tuple[object, int] | None:
+        """The trainers' parameters and their version, for the driver's pool to bring a restarted rollout server back
+        while the trainers wait on the driver (None otherwise: a trainer's next push brings it back then)."""
+        with self._idle_lock:
+            if not self._trainers_idle or not self.trainers:
+                return None
+            asked = [trainer.snapshot.remote() for trainer in self.trainers]  # a collective: every process
+            version = self.step_count
+        try:
+            return ray.get(asked, timeout=600)[0], version
+        except RayError:  # a trainer lost or silent: the step that meets it recovers the run
+            return None
+
     def _measure(self) -> dict[str, float]:
         """The held-out reward of the policy the pool serves now (its episodes, with an environment)."""
+        with self._idle_lock:
+            self._trainers_idle = True
+        try:
+            return self._measure_now()
+        finally:
+            with self._idle_lock:  # any snapshot asked for was sent before the trainers' next call
+                self._trainers_idle = False
+
+    def _measure_now(self) -> dict[str, float]:
         held_out = self.plan.held_out
         if self.episodes is not None:
             return measure_episodes(self.episodes, held_out.rows, held_out.ids, self.config.eval_samples)
