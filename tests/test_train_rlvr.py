@@ -4,6 +4,8 @@ import importlib.util
 import json
 import math
 import sys
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +24,8 @@ from dew.data.verifiable import (
     verifiable_tasks,
 )
 from dew.collection.tasks import prompt_tasks
+from dew.inference import ServerDied
+from dew.recipes import rlvr_recipe
 from dew.recipes.reward_routing import CachedCodeReward, RoutedReward, verifiable_reward
 from dew.sandbox import LastNumberReward, ProcessRunner, SandboxFleet, SandboxLimits, default_runner
 from tests.conftest import ROOT
@@ -313,3 +317,39 @@ def test_a_short_run_trains_on_whole_groups(tmp_path):
     assert saved["reward_after"] == result.reward_after and len(saved["records"]) == 3
     with pytest.raises(ValueError, match="is not empty"):
         example.run(config)
+
+
+class FaultedPool:
+    """Draws through a rollout pool whose first ``losses`` draws of each seed fail as the pool fails a draw whose
+    server it set aside (a fault injected at a chosen draw); then the draw answers with its seed's digits."""
+
+    def __init__(self, losses: int):
+        self.losses, self.asked = losses, {}
+
+    def submit(self, ids, max_new_tokens, seed):
+        self.asked[seed] = self.asked.get(seed, 0) + 1
+        future = Future()
+        if self.asked[seed] <= self.losses:
+            future.set_exception(ServerDied(f"rollout server 0 was set aside (loss {self.asked[seed]} of seed {seed})"))
+        else:
+            future.set_result(SimpleNamespace(ids=[ord(c) for c in str(seed % 10)]))
+        return future
+
+
+def test_a_held_out_draw_is_drawn_again_as_long_as_servers_are_lost_within_its_patience(monkeypatch):
+    """A chaos run lost the servers of one held-out draw four times in one measurement: the draw is drawn again for
+    DRAW_PATIENCE seconds whatever the count, then fails naming the draw."""
+    rows = [{"data_source": "dew/word_problems", "ground_truth": str(i), "extra_info": {}} for i in range(3)]
+    decode = lambda ids: "".join(chr(i) for i in ids)  # noqa: E731
+    pool = FaultedPool(losses=6)
+    summary = rlvr_recipe.measure_reward(pool, LastNumberReward(), decode, rows, [[1, 2]] * 3, samples=2,
+                                         max_new_tokens=4, seed=0, eos_ids=[])
+    assert set(pool.asked.values()) == {7}  # each of the 6 draws was lost 6 times, then answered
+    seeds = sorted(pool.asked)
+    expected = [float(str(seeds[2 * row + s] % 10) == str(row)) for row in range(3) for s in range(2)]
+    assert summary["all"] == pytest.approx(np.mean(expected))
+    monkeypatch.setattr(rlvr_recipe, "DRAW_PATIENCE", 0.0)
+    with pytest.raises(RuntimeError, match="held-out draw 0 of row 0 lost its server 1 time\\(s\\) in 0 s "
+                                           "\\(DRAW_PATIENCE\\); the last: rollout server 0 was set aside"):
+        rlvr_recipe.measure_reward(FaultedPool(losses=6), LastNumberReward(), decode, rows[:1], [[1, 2]],
+                                   samples=1, max_new_tokens=4, seed=0, eos_ids=[])

@@ -57,7 +57,11 @@ from dew.sandbox import ContainerRunner, ProcessRunner, SandboxLimits, default_r
 RUNNERS = ("bwrap", "process", "container")
 CONTAINER_IMAGE = "dew-ray/base:bookworm"  # the base image tools/container_env.py builds (Debian with python3)
 EVAL_SEED_OFFSET = 1_000_000  # held-out tasks come from their own stream of seeds
-DRAW_ATTEMPTS = 4  # a held-out draw whose server dies is drawn again, on another server of the pool
+DRAW_ATTEMPTS = 4  # a held-out episode that failed for the infrastructure runs again, this many times in all
+# A held-out draw whose server is set aside is drawn again for this many seconds: each failure is a server lost or
+# silent, and the pool itself fails a draw when none comes back within its wait, so a count would only measure how
+# often the faults came (a chaos run's servers were set aside four times in one measurement)
+DRAW_PATIENCE = 600.0
 
 
 class RLVRConfig(MeshOptions):
@@ -392,7 +396,7 @@ def measure_reward(server, reward, decode, rows: Sequence[dict], ids: Sequence[S
     and per source, ``k = samples`` (mean@k is the mean). Draw ``s`` of row ``i`` uses a seed
     fixed by (``seed``, i, s), so two measurements of different weights compare the same
     random streams. Scoring runs on ``workers`` threads (code rows wait on the sandbox); a draw
-    whose server dies is drawn again (same seed) on another server of the pool.
+    whose server is set aside is drawn again (same seed) on the pool, for :data:`DRAW_PATIENCE` seconds.
     """
     if len(rows) != len(ids) or not rows:
         raise ValueError(f"need prompt ids for every held-out row and at least one row, got {len(ids)} for {len(rows)}")
@@ -404,13 +408,16 @@ def measure_reward(server, reward, decode, rows: Sequence[dict], ids: Sequence[S
         index, future, draw_seed = item
         record = Record("held-out", index, rows[index])
         fields = {**{field: metadata_text(record, field) for field in METADATA}, "prompt_ids": ids[index]}
-        for attempt in range(DRAW_ATTEMPTS):
+        first, attempts = time.monotonic(), 1
+        while True:
             try:
                 drawn = future.result().ids
                 break
-            except ServerDied:  # a pool drops the dead server: the same draw (same seed) goes to another
-                if attempt == DRAW_ATTEMPTS - 1:
-                    raise
+            except ServerDied as error:  # the pool set its server aside: the same draw (same seed) again
+                if time.monotonic() - first > DRAW_PATIENCE:
+                    raise RuntimeError(f"held-out draw {draw_seed} of row {index} lost its server {attempts} time(s) "
+                                       f"in {DRAW_PATIENCE:g} s (DRAW_PATIENCE); the last: {error}") from error
+                attempts += 1
                 future = server.submit(list(ids[index]), max_new_tokens, seed=draw_seed)
         return score_completion(reward, decode, drawn, tuple(eos_ids), fields)
 
