@@ -325,6 +325,27 @@ class ChatMessages(PartitionedLoader):
         return Dataset(train=train, val=None if val_rows is None else val, records=row_count, batch=batch)
 
 
+def is_messages(value) -> bool:
+    """A non-empty list whose items are mappings: chat messages, not token ids."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(item, Mapping) for item in value)
+
+
+def chat_ids(tokenizer, messages: list[dict], record: Record, options: Mapping | None = None, field: str = "prompt",
+             generation: bool = True) -> list[int]:
+    """The ids of ``messages`` rendered by the tokenizer's chat template (with the generation header unless
+    ``generation`` is False); errors name ``field`` of ``record``."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise record.error(field, "holds messages but the tokenizer has no chat template")
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True,
+                                                 **(options or {}))
+    except Exception as error:  # a template's own checks raise many types
+        raise record.error(field, f"the chat template refused these messages ({error})") from None
+    if isinstance(rendered, Mapping):  # transformers may return a BatchEncoding
+        rendered = rendered["input_ids"]
+    return [int(i) for i in rendered]
+
+
 def read_conversations(path, split: str, options: HFOptions) -> list[Record]:
     """Rows of a conversation source as Records (see ChatMessages for what ``path`` may be)."""
     by_name = isinstance(path, (str, Path))  # a file, a saved directory or a dataset id

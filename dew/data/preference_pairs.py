@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from dew.data.loading import Loading, PartitionedLoader, Record, read_records
+from dew.data.chat import chat_ids, is_messages
 from dew.validation import integer
 
 SIDES = ("chosen", "rejected")
@@ -80,7 +81,7 @@ class PreferencePairs(PartitionedLoader):
                 raise record.error(side, f"missing; a preference pair needs {' and '.join(SIDES)}")
             if isinstance(record.fields[side], str):
                 sequence, weights = self.text_side(record, side)
-            elif _messages_like(record.fields[side]):
+            elif is_messages(record.fields[side]):
                 sequence, weights = self.chat_side(record, side)
             else:
                 sequence, weights = token_ids(record, side, record.fields[side]), record.fields.get(f"{side}_mask")
@@ -122,15 +123,13 @@ class PreferencePairs(PartitionedLoader):
         the render of the prompt and this side's messages adds (masked 1)."""
         if self.tokenizer is None:
             raise record.error(side, "holds chat messages, so PreferencePairs needs a tokenizer (tokenizer=...)")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise record.error(side, "holds chat messages but the tokenizer has no chat template")
         prompt = record.fields.get("prompt")
-        if not _messages_like(prompt):
+        if not is_messages(prompt):
             raise record.error("prompt", "a conversational pair needs the prompt as a non-empty list of chat messages "
                                "(TRL's explicit-prompt layout); dew never guesses where the prompt ends")
         messages = _checked_messages(record, "prompt", prompt) + _checked_messages(record, side, record.fields[side])
-        context = self._chat_ids(record, "prompt", messages[:len(prompt)], generation=True)
-        whole = self._chat_ids(record, side, messages, generation=False)
+        context = chat_ids(self.tokenizer, messages[:len(prompt)], record)
+        whole = chat_ids(self.tokenizer, messages, record, field=side, generation=False)
         if whole[:len(context)] != context:
             raise record.error(side, "the chat template renders the prompt differently when this side's messages "
                                "follow it, so where the answer starts would have to be guessed; give token ids with "
@@ -138,20 +137,6 @@ class PreferencePairs(PartitionedLoader):
         if len(whole) == len(context):
             raise record.error(side, "adds nothing to the prompt's render")
         return whole, [0] * len(context) + [1] * (len(whole) - len(context))
-
-    def _chat_ids(self, record: Record, field: str, messages: list[dict], generation: bool) -> list[int]:
-        try:
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True)
-        except Exception as error:  # a template's own checks raise many types
-            raise record.error(field, f"the chat template refused these messages ({error})") from None
-        if isinstance(rendered, Mapping):  # transformers may return a BatchEncoding
-            rendered = rendered["input_ids"]
-        return [int(i) for i in rendered]
-
-
-def _messages_like(value) -> bool:
-    """A non-empty list whose items are mappings: chat messages, not token ids."""
-    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(item, Mapping) for item in value)
 
 
 def _checked_messages(record: Record, field: str, messages: Sequence[Mapping]) -> list[dict]:

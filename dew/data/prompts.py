@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dew.data.chat import chat_ids, is_messages
 from dew.data.loading import Loading, PartitionedLoader, Record, read_records
 from dew.data.preference_pairs import token_ids
 from dew.validation import positive_int
@@ -163,12 +164,12 @@ class Prompts(PartitionedLoader):
             ids = token_ids(record, "prompt", prompt)
         elif isinstance(prompt, str):
             ids = list(self._tokenizer.encode(prompt, add_special_tokens=False))
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        elif is_messages(prompt):
             for index, message in enumerate(prompt):
                 for key in ("role", "content"):
                     if key not in message:
                         raise record.error("prompt", f"message {index} has no {key!r}")
-            ids = _chat_ids(self._tokenizer, [dict(m) for m in prompt], record, self.template_options)
+            ids = chat_ids(self._tokenizer, [dict(m) for m in prompt], record, self.template_options)
         else:
             raise record.error("prompt", "must be token ids, a string or a list of role/content messages")
         if not ids:
@@ -192,15 +193,3 @@ def _is_id_list(value) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(
         isinstance(item, (int, np.integer)) and not isinstance(item, bool) for item in value
     )
-
-
-def _chat_ids(tokenizer, messages: list[dict], record: Record, options: Mapping) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise record.error("prompt", "holds messages but the tokenizer has no chat template")
-    try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **options)
-    except Exception as error:  # a template's own checks raise many types
-        raise record.error("prompt", f"the chat template refused these messages ({error})") from None
-    if isinstance(rendered, Mapping):  # transformers may return a BatchEncoding
-        rendered = rendered["input_ids"]
-    return [int(i) for i in rendered]
