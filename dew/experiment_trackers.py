@@ -17,7 +17,10 @@ W&B: ``mode="offline"`` (the default) writes the run under ``<directory>/wandb``
 nothing (``wandb sync <directory>/wandb/offline-run-*`` uploads it later); ``"online"``
 needs ``wandb login``. The run id is kept in ``<directory>/wandb-run-id`` so a resumed run
 continues the same W&B run; W&B keeps the first value it saw for a step, so a retrained
-update's new values show from the first step past the old run's last. The ``wandb``
+update's new values show from the first step past the old run's last. An offline run's
+``run-<id>.wandb`` file is complete once the process ends: W&B's service writes it in blocks
+and closes it after the run finishes, so a program that reads it itself calls
+``wandb.teardown()`` first. The ``wandb``
 package is an optional extra: ``pip install 'dew-ray[wandb]'``.
 
 Every numeric value is logged (a bool as 0/1); a mapping of numbers is logged under

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+import wandb
 from tensorboardX import event_file_writer
 
 from dew import Trainer
@@ -28,6 +29,9 @@ def test_fit_writes_tensorboard_events_and_a_wandb_history_beside_metrics_jsonl(
     assert events["train/updates"] == [(2, 2.0), (4, 4.0)]
     assert [step for step, _ in events["val/perplexity"]] == [4]
 
+    # wandb-core buffers the run's log in 32 KiB blocks and closes it after finish() returns (finish only informs its
+    # service); teardown waits for the service to end, so every record is on disk when the file is read
+    wandb.teardown()
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     history = wandb_history(run_file)
     assert [row["_step"] for row in history] == [2, 4]
