@@ -1,7 +1,7 @@
 """`dew-ray sft` and `dew-ray dpo` on the real SmolLM2-135M-Instruct: a targeted behaviour before and after, and the
 exported directories read back by transformers.
 
-    uv run python bench/smollm2_stages.py [--sft-steps 40] [--dpo-steps 40] [--stages sft dpo]
+    uv run python bench/smollm2_stages.py [--sft-steps 40] [--dpo-steps 40] [--stages sft dpo sft-dpo]
         [--sft-learning-rate 2e-5] [--dpo-learning-rate 5e-6] [--skip-transformers]
 
 The behaviour is how SmolLM2 answers the built-in one-step word problems (:mod:`dew.data.word_problems`): it
@@ -14,7 +14,9 @@ reference answers' closing.
   19 stickers. The answer is 19.");
 - DPO: ``dew-ray dpo`` on 256 pairs, the reference answer chosen over the same answer one higher (TRL's
   explicit-prompt layout: prompt as chat messages, chosen and rejected assistant messages), from the model as
-  built, not from the SFT policy.
+  built;
+- SFT then DPO (``sft-dpo``): the same ``dew-ray dpo`` run from the SFT policy, the usual order, where the pairs
+  are close to what the policy writes itself.
 
 Each exported ``policy/`` directory is then loaded by transformers (the reference environment, ``.venv-ref``)
 and its logits on three prompts compared with dew's own. Writes bench/results/smollm2_stages.json and a bar
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dpo-steps", type=int, default=40)
     parser.add_argument("--sft-learning-rate", type=float, default=2e-5)
     parser.add_argument("--dpo-learning-rate", type=float, default=5e-6)
-    parser.add_argument("--stages", nargs="+", choices=["sft", "dpo"], default=["sft", "dpo"])
+    parser.add_argument("--stages", nargs="+", choices=["sft", "dpo", "sft-dpo"], default=["sft", "dpo"])
     parser.add_argument("--skip-transformers", action="store_true", help="no reference environment: skip that check")
     args = parser.parse_args(argv)
     model = smollm2.build(quiet=True)
@@ -145,13 +147,15 @@ def main(argv=None) -> int:
         results["model as built"] = behaviour(model, held_out, tokenizer)
         print("model as built:", results["model as built"], flush=True)
         policies = {}
-        if "sft" in args.stages:
-            policies[f"after dew-ray sft (lr {args.sft_learning_rate:g})"] = stage(
-                "sft", model, sft_data, scratch / "sft", args.sft_steps, args.sft_learning_rate, 127)
+        dpo = lambda start, out: stage("dpo", start, dpo_data, scratch / out, args.dpo_steps,  # noqa: E731
+                                       args.dpo_learning_rate, 128, ("--set", "beta=0.1"))
+        if "sft" in args.stages or "sft-dpo" in args.stages:
+            sft = stage("sft", model, sft_data, scratch / "sft", args.sft_steps, args.sft_learning_rate, 127)
+            policies[f"after dew-ray sft (lr {args.sft_learning_rate:g})"] = sft
         if "dpo" in args.stages:
-            policies[f"after dew-ray dpo (lr {args.dpo_learning_rate:g})"] = stage(
-                "dpo", model, dpo_data, scratch / "dpo", args.dpo_steps, args.dpo_learning_rate, 128,
-                ("--set", "beta=0.1"))
+            policies[f"after dew-ray dpo (lr {args.dpo_learning_rate:g})"] = dpo(model, "dpo")
+        if "sft-dpo" in args.stages:
+            policies[f"after dew-ray sft, then dew-ray dpo (lr {args.dpo_learning_rate:g})"] = dpo(sft, "sft-dpo")
         prompts = ["The capital of France is",
                    tokenizer.apply_chat_template(held_out[0].row()["prompt"], tokenize=False, add_generation_prompt=True),
                    held_out[1].answer]

@@ -52,7 +52,8 @@ bubblewrap runs it), the cluster has the CPUs the roles reserve, and the configu
 
 The run directory holds ``config.json``, ``warm_start.msgpack`` (the warm-started
 weights), ``grpo/`` (the trainers' checkpoints, every ``checkpoint_every`` updates),
-``metrics.jsonl`` (one line per update: trainer and scheduler metrics, the tasks
+``metrics.jsonl`` (written by :mod:`~dew_ray.pipelines.run_record`, as are the held-out curve and
+verl rows; one line per update: trainer and scheduler metrics, the tasks
 trained, wait and wall seconds, a held-out measurement's time not in the wall), ``held_out.jsonl`` (the held-out reward before training,
 after each of ``eval_points`` evenly spaced updates, on the weights the servers serve
 then, which the default schedule publishes one update behind, and after the last), with
@@ -99,6 +100,7 @@ from dew_ray.pipelines.rlvr_config import RLVRPipelineConfig, load_config
 from dew_ray.pipelines.rlvr_fleet import RLVRFleet
 from dew_ray.pipelines.rlvr_job import PipelineEnvironment, Setup, pipeline_reward, start_params, warm_start_task
 from dew_ray.pipelines.rlvr_report import plot, print_summary, zero_reward_note
+from dew_ray.pipelines.run_record import RunRecord, update_row
 from dew_ray.placement import shortfall
 from dew_ray.pipelines.run_dirs import (
     PreflightError,
@@ -111,9 +113,6 @@ from dew_ray.pipelines.run_dirs import (
     writable,
 )
 
-VERL_ROWS = "verl_rows"  # the run directory's folder of verl AgentLoopOutput rows (config verl_rows)
-HELD_OUT = "held_out.jsonl"  # the run directory's held-out reward curve, one {"step", "reward"} line per point
-
 __all__ = ["PreflightError", "RLVRPipeline", "RLVRPipelineConfig", "load_config", "main", "resolve_run_dir", "run"]
 
 
@@ -125,15 +124,13 @@ class RLVRPipeline:
             raise TypeError(f"RLVRPipeline needs an RLVRPipelineConfig, got {type(config).__name__}")
         self.config, self.address = config, address
         self.run_dir = resolve_run_dir(config.run_dir)  # before anything starts, and once
-        self.rows: list[dict] = []
-        self.held_out_curve: list[dict] = []  # {"step", "reward"} per held-out measurement, step 0 the warm start
+        self.record = RunRecord(self.run_dir)  # metrics.jsonl, held_out.jsonl, verl rows, trackers
         self.summary: dict | None = None
         self._started_ray = False
         self.started_at: float | None = None
         self.recoveries = 0  # times a lost trainer made the driver start the actors again from a checkpoint
         self.actors: RLVRActors | None = None
         self.metrics = None
-        self.writers = None
         self.step_count = 0
         self.runner = None  # the sandbox runner the preflight started a program in; the runner actors get it
         self.sandbox: str | None = None
@@ -149,6 +146,16 @@ class RLVRPipeline:
     def pool(self):
         """The driver's view of the rollout servers (held-out draws and the final policy go through it)."""
         return None if self.actors is None else self.actors.pool
+
+    @property
+    def rows(self) -> list[dict]:
+        """Every update's metrics row so far (``metrics.jsonl``)."""
+        return self.record.rows
+
+    @property
+    def held_out_curve(self) -> list[dict]:
+        """{"step", "reward"} per held-out measurement so far, step 0 the warm start (``held_out.jsonl``)."""
+        return self.record.curve
 
     @property
     def trainers(self) -> list:
@@ -234,10 +241,9 @@ class RLVRPipeline:
 
         started = actors.start_trainers(self.params)
         self.step_count = started[0]["step"]
-        self.writers = MetricWriters(config.experiment_trackers(name=self.run_dir.resolve().name), self.run_dir,
-                                     start_step=self.step_count, config=config.model_dump())
-        self._read_rows(self.step_count)
-        self._read_curve(self.step_count)  # a fresh run's step-0 point goes to the trackers too
+        writers = MetricWriters(config.experiment_trackers(name=self.run_dir.resolve().name), self.run_dir,
+                                start_step=self.step_count, config=config.model_dump())
+        self.record.resume(self.step_count, self.reward_before, writers)  # later updates are trained again
         self._last = time.perf_counter()
         return {"restored": started[0]["restored"], "step": self.step_count, "width": plan.width,
                 "reward_before": self.reward_before, "parameters": sum(int(x.size) for x in jax.tree.leaves(self.params))}
@@ -263,36 +269,6 @@ class RLVRPipeline:
         os.replace(partial, path)  # a crash mid-write leaves no half file to read back
         return params
 
-    def _read_rows(self, step: int) -> None:
-        """Keep the metrics rows (and verl rows) of batches the restored checkpoint trained; later ones will be
-        trained again."""
-        self.rows = _keep_lines(self.run_dir / "metrics.jsonl", lambda row: row["step"] <= step)
-        for written in (self.run_dir / VERL_ROWS).glob("update-*.jsonl"):
-            if int(written.stem.split("-")[1]) > step:
-                written.unlink()
-
-    def _read_curve(self, step: int) -> None:
-        """The held-out points up to the restored update (the warm start's first); later ones are measured again."""
-        self.held_out_curve = _keep_lines(self.run_dir / HELD_OUT, lambda point: point["step"] <= step)
-        if not self.held_out_curve:
-            self._held_out_point(0, self.reward_before)
-
-    def _held_out_point(self, step: int, reward: dict[str, float]) -> None:
-        self.held_out_curve.append({"step": step, "reward": reward})
-        with open(self.run_dir / HELD_OUT, "a") as file:
-            file.write(json.dumps(self.held_out_curve[-1]) + "\n")
-        if self.writers is not None:
-            self.writers.write(step, {"held_out": reward})
-
-    def _write_verl_rows(self, step: int, rows: list[dict]) -> None:
-        """One update's admitted rollouts, every process's, as verl rows in verl_rows/update-<step>.jsonl."""
-        directory = self.run_dir / VERL_ROWS
-        directory.mkdir(exist_ok=True)
-        path = directory / f"update-{step:06d}.jsonl"
-        partial = path.with_suffix(".partial")
-        partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        os.replace(partial, path)  # a retrained update rewrites its file whole
-
     def step(self, count: int = 1) -> list[dict]:
         """Train ``count`` updates on every trainer process; returns their metrics rows."""
         if not self.trainers:
@@ -307,31 +283,10 @@ class RLVRPipeline:
                 self._recover(error)
                 continue
             now = time.perf_counter()
-            reports = [process_metrics.pop("report", {}) for (process_metrics,) in results]
-            verl_rows = [row for theirs in reports for row in theirs.pop("verl_rows", [])]
-            (metrics,) = results[0]
-            scheduler = reports[0].get("scheduler", {})  # process 0's record; each process keeps its own
-            tasks, verdicts = [], {}
-            for theirs in reports:  # every process trained its own share of the batch
-                tasks += theirs.get("tasks", [])
-                for verdict, seen in theirs.get("verdicts", {}).items():
-                    verdicts[verdict] = verdicts.get(verdict, 0) + seen
-            wall = now - self._last
+            row, verl_rows, scheduler = update_row(results, now - self._last, self.fleet.size(self.actors))
             self._last = now
-            row = {"step": metrics["step"], "updates": metrics["updates"], "wall": wall,
-                   "waited": scheduler.pop("waited", None), "tasks": tasks,
-                   "verdicts": verdicts, **{f"train/{k}": v for k, v in metrics.items()
-                                                               if k not in ("step", "updates")},
-                   **{k if k.startswith("rollout/") else f"scheduler/{k}": v for k, v in scheduler.items()},
-                   "fleet/servers": self.fleet.size(self.actors)}
             self.step_count = row["step"]
-            # The row goes out before the checkpoint: a crash between the two retrains the update and rewrites
-            # its row, where the other order would leave a trained update without one.
-            with open(self.run_dir / "metrics.jsonl", "a") as file:
-                file.write(json.dumps(row) + "\n")
-            self.writers.write(self.step_count, {k: v for k, v in row.items() if k != "step"})
-            if self.config.verl_rows:
-                self._write_verl_rows(self.step_count, verl_rows)
+            self.record.write(row, verl_rows if self.config.verl_rows else None)
             if self.step_count % self.config.checkpoint_every == 0 or self.step_count == self.config.steps:
                 try:
                     ray.get([trainer.save.remote() for trainer in self.trainers])
@@ -339,16 +294,16 @@ class RLVRPipeline:
                     self._recover(error)
                     new = [kept for kept in new if kept["step"] <= self.step_count]
                     continue
-            self.rows.append(row)
+            self.record.keep(row)
             new.append(row)
             if self.step_count in self.config.eval_steps():
-                self._held_out_point(self.step_count, self._measure())
+                self.record.held_out(self.step_count, self._measure())
                 self._last = time.perf_counter()  # an update's wall is its own: the measurement is not part of it
             self.metrics.record({
                 "reward_mean": row.get("rollout/reward/mean"), "update_step": row["updates"],
                 "policy_version": scheduler.get("version"), "policy_lag": scheduler.get("lag"),
-                "rollout_tokens_per_second": row.get("train/tokens", 0) / wall if wall > 0 else None,
-                "trainer_wait_share": self.wait_share(),
+                "rollout_tokens_per_second": row.get("train/tokens", 0) / row["wall"] if row["wall"] > 0 else None,
+                "trainer_wait_share": self.record.wait_share(),
                 "episode_turns": row.get("rollout/episode/turns"),
                 "episode_truncated_share": row.get("rollout/episode/truncated"),
                 "episode_tool_errors": row.get("rollout/episode/tool_errors"),
@@ -391,12 +346,6 @@ class RLVRPipeline:
         if self.actors is None or self.fleet is None:
             raise RuntimeError("call start() before changing the rollout fleet")
         return self.fleet
-
-    def wait_share(self) -> float | None:
-        """The share of wall time after the first update that the trainer spent waiting for rollouts."""
-        later = self.rows[1:]
-        wall = sum(row["wall"] for row in later)
-        return sum(row["waited"] or 0.0 for row in later) / wall if wall > 0 else None
 
     def _newest_weights(self) -> tuple[object, int] | None:
         """The trainers' parameters and their version, for the driver's pool to bring a restarted rollout server back
@@ -441,7 +390,7 @@ class RLVRPipeline:
         self.pool.load(params, self.step_count)
         after = self._measure()
         if self.held_out_curve[-1]["step"] != self.step_count:
-            self._held_out_point(self.step_count, after)
+            self.record.held_out(self.step_count, after)
         policy = self.run_dir / "policy"
         self.setup.pretrained.save(params, policy)
         self.setup.tokenizer.save_pretrained(policy)
@@ -450,7 +399,7 @@ class RLVRPipeline:
         self.summary = {
             "steps": self.step_count, "reward_before": self.reward_before, "reward_after": after,
             "held_out": self.held_out_curve,
-            "wait_share": self.wait_share(), "rollout_tokens_per_second": tokens / wall if wall else None,
+            "wait_share": self.record.wait_share(), "rollout_tokens_per_second": tokens / wall if wall else None,
             "seconds": time.perf_counter() - self.started_at, "run_dir": str(self.run_dir.resolve()),
             "policy": str(policy.resolve()), "plot": str((self.run_dir / "rlvr.png").resolve()),
             "prompts_filtered": {"train": self.plan.train.filtered, "held_out": self.plan.held_out.filtered},
@@ -472,9 +421,7 @@ class RLVRPipeline:
             self._started_ray = False
 
     def _stop_actors(self) -> None:
-        if self.writers is not None:
-            self.writers.close()
-            self.writers = None
+        self.record.close()
         if self.episodes is not None:
             self.episodes.close()
             self.episodes = None
@@ -487,14 +434,6 @@ class RLVRPipeline:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _keep_lines(path, keep) -> list[dict]:
-    """The JSON lines of ``path`` (none if absent) for which ``keep`` holds; the file is rewritten with those alone."""
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    kept = [line for line in lines if keep(line)]
-    path.write_text("".join(json.dumps(line) + "\n" for line in kept))
-    return kept
 
 
 def run(config: RLVRPipelineConfig, address: str | None = None) -> dict:
