@@ -165,15 +165,15 @@ def main(argv=None) -> int:
                 results[name]["transformers_logit_difference"] = transformers_logits_difference(policy, tokenizer,
                                                                                                 prompts)
             print(f"{name}:", results[name], flush=True)
-    name = "smollm2_stages" if args.stages == ["sft", "dpo"] else f"smollm2_stages_{'_'.join(args.stages)}"
-    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2))
+    stem = "smollm2_stages" if args.stages == ["sft", "dpo"] else f"smollm2_stages_{'_'.join(args.stages)}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2))
     print("\n| model | right (greedy, 64 held-out) | ends with \"The answer is N.\" | mean answer ids | "
           "transformers logit difference |\n| --- | --- | --- | --- | --- |")
     for name, row in results.items():
         difference = row.get("transformers_logit_difference")
         print(f"| {name} | {row['right']:.3f} | {row['closing']:.3f} | {row['length']:.1f} | "
               f"{'' if difference is None else f'{difference:.1e}'} |")
-    plot(results, name)
+    plot(results, stem)
     return 0
 
 
@@ -192,7 +192,7 @@ def plot(results: dict, name: str) -> None:
     axis.set_ylim(0, 1)
     axis.set_ylabel("share of 64 held-out problems (greedy)")
     axis.set_title("SmolLM2-135M-Instruct: dew-ray sft and dpo")
-    axis.legend()
+    axis.legend(loc="upper left")
     figure.tight_layout()
     figure.savefig(RESULTS / f"{name}.png", dpi=120)
 
