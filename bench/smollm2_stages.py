@@ -206,14 +206,15 @@ def plot(results: dict, name: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    figure, axis = plt.subplots(figsize=(7, 3.5))
+    figure, axis = plt.subplots(figsize=(max(7.0, 1.35 * len(names)), 3.8))
     x = np.arange(len(names))
     axis.bar(x - 0.2, [results[n]["right"] for n in names], 0.4, label="answered right")
     axis.bar(x + 0.2, [results[n]["closing"] for n in names], 0.4, label='ends "The answer is N."')
-    axis.set_xticks(x, ["\n".join(textwrap.wrap(n, 14)) for n in names])
+    axis.set_xticks(x, ["\n".join(textwrap.wrap(n, 16)) for n in names], fontsize=8)
     axis.set_ylim(0, 1)
     axis.set_ylabel("share of 64 held-out problems (greedy)")
-    axis.set_title("SmolLM2-135M-Instruct: dew-ray sft and dpo")
+    peer = ", TRL's DPOTrainer" if any("TRL" in n for n in names) else ""
+    axis.set_title(f"SmolLM2-135M-Instruct: dew-ray sft and dpo{peer}")
     axis.legend(loc="upper left")
     figure.tight_layout()
     figure.savefig(RESULTS / f"{name}.png", dpi=120)
