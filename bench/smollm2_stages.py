@@ -2,7 +2,7 @@
 exported directories read back by transformers.
 
     uv run python bench/smollm2_stages.py [--sft-steps 40] [--dpo-steps 40] [--stages sft dpo sft-dpo]
-        [--sft-learning-rate 2e-5] [--dpo-learning-rate 5e-6] [--skip-transformers]
+        [--sft-learning-rate 2e-5] [--dpo-learning-rate 5e-6] [--dpo-dtype bfloat16] [--skip-transformers]
     uv run python bench/smollm2_stages.py --stages sft-dpo trl-dpo sft-trl-dpo
 
 The behaviour is how SmolLM2 answers the built-in one-step word problems (:mod:`dew.data.word_problems`): it
@@ -109,10 +109,10 @@ def write_data(folder: Path, count: int, seed: int) -> tuple[Path, Path]:
 
 
 def stage(kind: str, model: Path, data: Path, out: Path, steps: int, learning_rate: float, seq_len: int,
-          extra=()) -> Path:
+          extra=(), dtype: str = "bfloat16") -> Path:
     command = [str(Path(sys.executable).parent / "dew-ray"), kind, "--model", str(model), "--data", str(data),
                "--steps", str(steps), "--set", f"output_dir={out}", "--set", f"learning_rate={learning_rate}",
-               "--set", f"seq_len={seq_len}", "--set", "batch=8", "--set", "dtype=bfloat16", *extra]
+               "--set", f"seq_len={seq_len}", "--set", "batch=8", "--set", f"dtype={dtype}", *extra]
     ran = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if ran.returncode != 0:
         raise RuntimeError(f"dew-ray {kind} failed:\n{ran.stdout[-2000:]}\n{ran.stderr[-3000:]}")
@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dpo-steps", type=int, default=40)
     parser.add_argument("--sft-learning-rate", type=float, default=2e-5)
     parser.add_argument("--dpo-learning-rate", type=float, default=5e-6)
+    parser.add_argument("--dpo-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="what dew-ray dpo computes in (TRL's peer runs float32)")
     parser.add_argument("--stages", nargs="+", choices=["sft", "dpo", "sft-dpo", "trl-dpo", "sft-trl-dpo"],
                         default=["sft", "dpo"])
     parser.add_argument("--skip-transformers", action="store_true", help="no reference environment: skip that check")
@@ -163,15 +165,17 @@ def main(argv=None) -> int:
         results["model as built"] = behaviour(model, held_out, tokenizer)
         print("model as built:", results["model as built"], flush=True)
         policies = {}
+        precision = "" if args.dpo_dtype == "bfloat16" else f", {args.dpo_dtype}"
         dpo = lambda start, out: stage("dpo", start, dpo_data, scratch / out, args.dpo_steps,  # noqa: E731
-                                       args.dpo_learning_rate, 128, ("--set", "beta=0.1"))
+                                       args.dpo_learning_rate, 128, ("--set", "beta=0.1"), args.dpo_dtype)
         if {"sft", "sft-dpo", "sft-trl-dpo"} & set(args.stages):
             sft = stage("sft", model, sft_data, scratch / "sft", args.sft_steps, args.sft_learning_rate, 127)
             policies[f"after dew-ray sft (lr {args.sft_learning_rate:g})"] = sft
         if "dpo" in args.stages:
-            policies[f"after dew-ray dpo (lr {args.dpo_learning_rate:g})"] = dpo(model, "dpo")
+            policies[f"after dew-ray dpo (lr {args.dpo_learning_rate:g}{precision})"] = dpo(model, "dpo")
         if "sft-dpo" in args.stages:
-            policies[f"after dew-ray sft, then dew-ray dpo (lr {args.dpo_learning_rate:g})"] = dpo(sft, "sft-dpo")
+            name = f"after dew-ray sft, then dew-ray dpo (lr {args.dpo_learning_rate:g}{precision})"
+            policies[name] = dpo(sft, "sft-dpo")
         if "trl-dpo" in args.stages:
             policies[f"after TRL DPOTrainer (lr {args.dpo_learning_rate:g})"] = trl_stage(
                 model, dpo_data, scratch / "trl-dpo", args.dpo_steps, args.dpo_learning_rate)
@@ -188,6 +192,7 @@ def main(argv=None) -> int:
                                                                                                 prompts)
             print(f"{name}:", results[name], flush=True)
     stem = "smollm2_stages" if args.stages == ["sft", "dpo"] else f"smollm2_stages_{'_'.join(args.stages)}"
+    stem += "" if args.dpo_dtype == "bfloat16" else f"_{args.dpo_dtype}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2))
     print("\n| model | right (greedy, 64 held-out) | ends with \"The answer is N.\" | mean answer ids | "
           "transformers logit difference |\n| --- | --- | --- | --- | --- |")
