@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import smollm2  # noqa: E402 (tools/ is not a package)
 
 CLOSING = "The answer is "
+DPO_BETA, DPO_WIDTH = 0.1, 128  # both DPOs' (dew-ray's and TRL's), so the two train on the same settings
 CLOSING_PATTERN = re.compile(r"The answer is -?\d+\.?\s*$")
 
 TRANSFORMERS_SIDE = r"""
@@ -121,7 +122,8 @@ def stage(kind: str, model: Path, data: Path, out: Path, steps: int, learning_ra
 
 def trl_stage(model: Path, data: Path, out: Path, steps: int, learning_rate: float) -> Path:
     command = [str(PEER_PYTHON), str(ROOT / "bench" / "peers" / "trl_dpo_pairs.py"), str(model), str(data), str(out),
-               "--steps", str(steps), "--learning-rate", str(learning_rate), "--beta", "0.1", "--max-length", "128"]
+               "--steps", str(steps), "--learning-rate", str(learning_rate), "--beta", str(DPO_BETA),
+               "--max-length", str(DPO_WIDTH)]
     ran = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if ran.returncode != 0:
         raise RuntimeError(f"TRL's DPOTrainer failed:\n{ran.stderr[-3000:]}")
@@ -167,7 +169,8 @@ def main(argv=None) -> int:
         policies = {}
         precision = "" if args.dpo_dtype == "bfloat16" else f", {args.dpo_dtype}"
         dpo = lambda start, out: stage("dpo", start, dpo_data, scratch / out, args.dpo_steps,  # noqa: E731
-                                       args.dpo_learning_rate, 128, ("--set", "beta=0.1"), args.dpo_dtype)
+                                       args.dpo_learning_rate, DPO_WIDTH, ("--set", f"beta={DPO_BETA}"),
+                                       args.dpo_dtype)
         if {"sft", "sft-dpo", "sft-trl-dpo"} & set(args.stages):
             sft = stage("sft", model, sft_data, scratch / "sft", args.sft_steps, args.sft_learning_rate, 127)
             policies[f"after dew-ray sft (lr {args.sft_learning_rate:g})"] = sft
