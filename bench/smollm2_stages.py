@@ -2,7 +2,8 @@
 exported directories read back by transformers.
 
     uv run python bench/smollm2_stages.py [--sft-steps 40] [--dpo-steps 40] [--stages sft dpo sft-dpo]
-        [--sft-learning-rate 2e-5] [--dpo-learning-rate 5e-6] [--dpo-dtype bfloat16] [--skip-transformers]
+        [--sft-learning-rate 2e-5] [--dpo-learning-rate 5e-6] [--dpo-dtype bfloat16] [--pairs one-off]
+        [--skip-transformers]
     uv run python bench/smollm2_stages.py --stages sft-dpo trl-dpo sft-trl-dpo
 
 The behaviour is how SmolLM2 answers the built-in one-step word problems (:mod:`dew.data.word_problems`): it
@@ -16,6 +17,9 @@ reference answers' closing.
 - DPO: ``dew-ray dpo`` on 256 pairs, the reference answer chosen over the same answer one higher (TRL's
   explicit-prompt layout: prompt as chat messages, chosen and rejected assistant messages), from the model as
   built;
+- DPO against the model's own answers (``--pairs own``): the reference answer chosen over the model as built's
+  greedy answer to the same training problem (pairs where the two are equal are left out), the usual way to
+  aim DPO at what a policy does;
 - SFT then DPO (``sft-dpo``): the same ``dew-ray dpo`` run from the SFT policy, the usual order, where the pairs
   are close to what the policy writes itself.
 - The peer (``trl-dpo``, ``sft-trl-dpo``): TRL's DPOTrainer (bench/peers/trl_dpo_pairs.py, the reference
@@ -55,7 +59,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 import smollm2  # noqa: E402 (tools/ is not a package)
 
 CLOSING = "The answer is "
-DPO_BETA, DPO_WIDTH = 0.1, 128  # both DPOs' (dew-ray's and TRL's), so the two train on the same settings
+# both DPOs' (dew-ray's and TRL's), so the two train on the same settings; the model's own answers (up to 64 ids)
+# make pairs longer than the reference answers
+DPO_BETA, DPO_WIDTH = 0.1, {"one-off": 128, "own": 160}
 CLOSING_PATTERN = re.compile(r"The answer is -?\d+\.?\s*$")
 
 TRANSFORMERS_SIDE = r"""
@@ -68,9 +74,8 @@ with torch.no_grad():
 """
 
 
-def behaviour(directory: Path, problems, tokenizer) -> dict:
-    """Greedy answers of the model in ``directory`` to ``problems``: the share right and the share closing with
-    the reference answers' sentence."""
+def greedy_answers(directory: Path, problems, tokenizer) -> list[str]:
+    """The greedy answers of the model in ``directory`` to ``problems`` (chat prompts, at most 64 new ids)."""
     model, variables = load_pretrained(directory)
     server = Server(model, variables, Sampling(temperature=0.0, eos_id=tokenizer.eos_token_id), slots=64,
                     capacity=160, dtype=jnp.bfloat16)
@@ -83,6 +88,13 @@ def behaviour(directory: Path, problems, tokenizer) -> dict:
     while server.busy:
         for done in server.step():
             answers[numbers[done.request]] = tokenizer.decode(done.ids, skip_special_tokens=True)
+    return answers
+
+
+def behaviour(directory: Path, problems, tokenizer) -> dict:
+    """Greedy answers of the model in ``directory`` to ``problems``: the share right and the share closing with
+    the reference answers' sentence."""
+    answers = greedy_answers(directory, problems, tokenizer)
     reward = LastNumberReward()
     right = [reward(task.data_source, answer, task.ground_truth, "") for task, answer in zip(problems, answers)]
     closing = [bool(CLOSING_PATTERN.search(answer)) for answer in answers]
@@ -90,19 +102,25 @@ def behaviour(directory: Path, problems, tokenizer) -> dict:
             "length": float(np.mean([len(tokenizer.encode(answer)) for answer in answers]))}
 
 
-def write_data(folder: Path, count: int, seed: int) -> tuple[Path, Path]:
-    tasks = verifiable_tasks(count, seed=seed, families=["word"])
+def write_data(folder: Path, tasks, own: list[str] | None) -> tuple[Path, Path]:
+    """The SFT conversations and the DPO pairs of ``tasks``. The rejected answer is the reference one number off,
+    or, given ``own`` (the starting model's greedy answers), the model's own answer wherever it differs from the
+    reference: pairs against what the policy writes itself."""
     sft, dpo = folder / "sft.jsonl", folder / "dpo.jsonl"
     with open(sft, "w") as file:
         for task in tasks:
             file.write(json.dumps({"messages": [*task.row()["prompt"], {"role": "assistant",
                                                                         "content": task.answer}]}) + "\n")
-    rng = random.Random(seed)
+    rng = random.Random(0)
     with open(dpo, "w") as file:
-        for task in tasks:
+        for index, task in enumerate(tasks):
             wrong = str(int(task.ground_truth) + rng.choice((-1, 1)))
             rejected = task.answer.replace(f"= {task.ground_truth} ", f"= {wrong} ").replace(
                 f"{CLOSING}{task.ground_truth}.", f"{CLOSING}{wrong}.")
+            if own is not None:
+                if own[index].strip() == task.answer.strip():
+                    continue
+                rejected = own[index]
             file.write(json.dumps({"prompt": task.row()["prompt"],
                                    "chosen": [{"role": "assistant", "content": task.answer}],
                                    "rejected": [{"role": "assistant", "content": rejected}]}) + "\n")
@@ -120,10 +138,10 @@ def stage(kind: str, model: Path, data: Path, out: Path, steps: int, learning_ra
     return out / "policy"
 
 
-def trl_stage(model: Path, data: Path, out: Path, steps: int, learning_rate: float) -> Path:
+def trl_stage(model: Path, data: Path, out: Path, steps: int, learning_rate: float, width: int) -> Path:
     command = [str(PEER_PYTHON), str(ROOT / "bench" / "peers" / "trl_dpo_pairs.py"), str(model), str(data), str(out),
                "--steps", str(steps), "--learning-rate", str(learning_rate), "--beta", str(DPO_BETA),
-               "--max-length", str(DPO_WIDTH)]
+               "--max-length", str(width)]
     ran = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if ran.returncode != 0:
         raise RuntimeError(f"TRL's DPOTrainer failed:\n{ran.stderr[-3000:]}")
@@ -154,8 +172,13 @@ def main(argv=None) -> int:
                         help="what dew-ray dpo computes in (TRL's peer runs float32)")
     parser.add_argument("--stages", nargs="+", choices=["sft", "dpo", "sft-dpo", "trl-dpo", "sft-trl-dpo"],
                         default=["sft", "dpo"])
+    parser.add_argument("--pairs", choices=["one-off", "own"], default="one-off",
+                        help="DPO's rejected answers: the reference one number off, or the model's own greedy "
+                             "answers to the training problems")
     parser.add_argument("--skip-transformers", action="store_true", help="no reference environment: skip that check")
     args = parser.parse_args(argv)
+    if args.pairs == "own" and {"sft-dpo", "sft-trl-dpo"} & set(args.stages):
+        parser.error("--pairs own takes the model as built's answers: run it with --stages dpo trl-dpo")
     model = smollm2.build(quiet=True)
     tokenizer = AutoTokenizer.from_pretrained(model)
     held_out = verifiable_tasks(64, seed=1_000_000, families=["word"], split=HELD_OUT)
@@ -163,13 +186,17 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="dew-smollm2-stages-") as scratch:
         scratch = Path(scratch)
-        sft_data, dpo_data = write_data(scratch, 256, seed=0)
+        tasks = verifiable_tasks(256, seed=0, families=["word"])
+        own = greedy_answers(model, tasks, tokenizer) if args.pairs == "own" else None
+        sft_data, dpo_data = write_data(scratch, tasks, own)
+        print("DPO pairs:", sum(1 for _ in open(dpo_data)), f"({args.pairs})", flush=True)
         results["model as built"] = behaviour(model, held_out, tokenizer)
         print("model as built:", results["model as built"], flush=True)
         policies = {}
-        precision = "" if args.dpo_dtype == "bfloat16" else f", {args.dpo_dtype}"
+        own_pairs = "" if args.pairs == "one-off" else ", own answers rejected"
+        precision = ("" if args.dpo_dtype == "bfloat16" else f", {args.dpo_dtype}") + own_pairs
         dpo = lambda start, out: stage("dpo", start, dpo_data, scratch / out, args.dpo_steps,  # noqa: E731
-                                       args.dpo_learning_rate, DPO_WIDTH, ("--set", f"beta={DPO_BETA}"),
+                                       args.dpo_learning_rate, DPO_WIDTH[args.pairs], ("--set", f"beta={DPO_BETA}"),
                                        args.dpo_dtype)
         if {"sft", "sft-dpo", "sft-trl-dpo"} & set(args.stages):
             sft = stage("sft", model, sft_data, scratch / "sft", args.sft_steps, args.sft_learning_rate, 127)
@@ -180,11 +207,12 @@ def main(argv=None) -> int:
             name = f"after dew-ray sft, then dew-ray dpo (lr {args.dpo_learning_rate:g}{precision})"
             policies[name] = dpo(sft, "sft-dpo")
         if "trl-dpo" in args.stages:
-            policies[f"after TRL DPOTrainer (lr {args.dpo_learning_rate:g})"] = trl_stage(
-                model, dpo_data, scratch / "trl-dpo", args.dpo_steps, args.dpo_learning_rate)
+            policies[f"after TRL DPOTrainer (lr {args.dpo_learning_rate:g}{own_pairs})"] = trl_stage(
+                model, dpo_data, scratch / "trl-dpo", args.dpo_steps, args.dpo_learning_rate, DPO_WIDTH[args.pairs])
         if "sft-trl-dpo" in args.stages:
             policies[f"after dew-ray sft, then TRL DPOTrainer (lr {args.dpo_learning_rate:g})"] = trl_stage(
-                sft, dpo_data, scratch / "sft-trl-dpo", args.dpo_steps, args.dpo_learning_rate)
+                sft, dpo_data, scratch / "sft-trl-dpo", args.dpo_steps, args.dpo_learning_rate,
+                DPO_WIDTH[args.pairs])
         prompts = ["The capital of France is",
                    tokenizer.apply_chat_template(held_out[0].row()["prompt"], tokenize=False, add_generation_prompt=True),
                    held_out[1].answer]
@@ -196,6 +224,7 @@ def main(argv=None) -> int:
             print(f"{name}:", results[name], flush=True)
     stem = "smollm2_stages" if args.stages == ["sft", "dpo"] else f"smollm2_stages_{'_'.join(args.stages)}"
     stem += "" if args.dpo_dtype == "bfloat16" else f"_{args.dpo_dtype}"
+    stem += "" if args.pairs == "one-off" else "_own"
     (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2))
     print("\n| model | right (greedy, 64 held-out) | ends with \"The answer is N.\" | mean answer ids | "
           "transformers logit difference |\n| --- | --- | --- | --- | --- |")
