@@ -114,12 +114,13 @@ def write_data(folder: Path, tasks, own: list[str] | None) -> tuple[Path, Path]:
     rng = random.Random(0)
     with open(dpo, "w") as file:
         for index, task in enumerate(tasks):
-            wrong = str(int(task.ground_truth) + rng.choice((-1, 1)))
-            rejected = task.answer.replace(f"= {task.ground_truth} ", f"= {wrong} ").replace(
-                f"{CLOSING}{task.ground_truth}.", f"{CLOSING}{wrong}.")
-            if own is not None:
-                if own[index].strip() == task.answer.strip():
-                    continue
+            if own is None:
+                wrong = str(int(task.ground_truth) + rng.choice((-1, 1)))
+                rejected = task.answer.replace(f"= {task.ground_truth} ", f"= {wrong} ").replace(
+                    f"{CLOSING}{task.ground_truth}.", f"{CLOSING}{wrong}.")
+            elif own[index].strip() == task.answer.strip():
+                continue
+            else:
                 rejected = own[index]
             file.write(json.dumps({"prompt": task.row()["prompt"],
                                    "chosen": [{"role": "assistant", "content": task.answer}],
@@ -194,9 +195,10 @@ def main(argv=None) -> int:
         print("model as built:", results["model as built"], flush=True)
         policies = {}
         own_pairs = "" if args.pairs == "one-off" else ", own answers rejected"
+        width = DPO_WIDTH[args.pairs]
         precision = ("" if args.dpo_dtype == "bfloat16" else f", {args.dpo_dtype}") + own_pairs
         dpo = lambda start, out: stage("dpo", start, dpo_data, scratch / out, args.dpo_steps,  # noqa: E731
-                                       args.dpo_learning_rate, DPO_WIDTH[args.pairs], ("--set", f"beta={DPO_BETA}"),
+                                       args.dpo_learning_rate, width, ("--set", f"beta={DPO_BETA}"),
                                        args.dpo_dtype)
         if {"sft", "sft-dpo", "sft-trl-dpo"} & set(args.stages):
             sft = stage("sft", model, sft_data, scratch / "sft", args.sft_steps, args.sft_learning_rate, 127)
@@ -208,11 +210,10 @@ def main(argv=None) -> int:
             policies[name] = dpo(sft, "sft-dpo")
         if "trl-dpo" in args.stages:
             policies[f"after TRL DPOTrainer (lr {args.dpo_learning_rate:g}{own_pairs})"] = trl_stage(
-                model, dpo_data, scratch / "trl-dpo", args.dpo_steps, args.dpo_learning_rate, DPO_WIDTH[args.pairs])
+                model, dpo_data, scratch / "trl-dpo", args.dpo_steps, args.dpo_learning_rate, width)
         if "sft-trl-dpo" in args.stages:
             policies[f"after dew-ray sft, then TRL DPOTrainer (lr {args.dpo_learning_rate:g})"] = trl_stage(
-                sft, dpo_data, scratch / "sft-trl-dpo", args.dpo_steps, args.dpo_learning_rate,
-                DPO_WIDTH[args.pairs])
+                sft, dpo_data, scratch / "sft-trl-dpo", args.dpo_steps, args.dpo_learning_rate, width)
         prompts = ["The capital of France is",
                    tokenizer.apply_chat_template(held_out[0].row()["prompt"], tokenize=False, add_generation_prompt=True),
                    held_out[1].answer]
