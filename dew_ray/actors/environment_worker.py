@@ -29,6 +29,7 @@ from dew.collection.sources import EnvironmentSource
 from dew.records.session_records import Session, SessionSource, Status, Task
 from dew_ray.actors.actor_replicas import ActorReplicas
 from dew_ray.actors.keyed_calls import KeyedCalls
+from dew_ray.kept_arguments import Kept, keep, put_once, unkept
 from dew_ray.actors.rollout_server_actor import ServerPool, server_pool
 from dew.validation import positive_int
 
@@ -47,6 +48,9 @@ class EnvironmentWorkerHost:
 
     def __init__(self, servers: Sequence, environment: Callable | None = None, verifier: Callable | None = None,
                  server_timeout: float | None = None, build: Callable | None = None, **options):
+        # a restartable worker's arguments are kept by name (dew_ray.kept_arguments), released at close
+        self._kept = [argument for argument in (servers, environment, verifier, build) if isinstance(argument, Kept)]
+        servers, environment, verifier, build = (unkept(argument) for argument in (servers, environment, verifier, build))
         if (build is None) == (environment is None or verifier is None):
             raise ValueError("EnvironmentWorker needs either environment and verifier, or build")
         if build is not None:
@@ -82,6 +86,8 @@ class EnvironmentWorkerHost:
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.source.close)
         self.pool.close()
+        for kept in self._kept:
+            await asyncio.get_running_loop().run_in_executor(None, kept.release)
 
 
 EnvironmentWorker = ray.remote(EnvironmentWorkerHost)
@@ -95,14 +101,20 @@ def start_environment_workers(count: int, servers: ServerPool, environment: Call
 
     ``placement(i)``, when given, returns worker i's options (its CPUs and placement-group bundle)
     in place of ``num_cpus``; ``options`` go to each worker (``build``, ``server_timeout`` and
-    EnvironmentSource's). With ``max_restarts`` in ``actor_options``, pass large arguments as
-    ObjectRefs the caller holds (``ray.put``): Ray frees the arguments it put itself once the
-    workers are created, and a restart runs the constructor on them again.
+    EnvironmentSource's). With ``max_restarts`` in ``actor_options``, the servers' handles,
+    ``environment``, ``verifier`` and ``build`` are kept by name
+    (:mod:`dew_ray.kept_arguments`) for each worker's restarts, until it closes.
     """
     positive_int("count", count)
     pairs = [(server.name, server.actor) for server in servers.servers]
-    return [EnvironmentWorker.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **(actor_options or {}))
-            .remote(pairs, environment, verifier, **options) for i in range(count)]
+    given = {"servers": pairs, "environment": environment, "verifier": verifier, "build": options.pop("build", None)}
+    actor_options = actor_options or {}
+    each = [given] * count
+    if actor_options.get("max_restarts", 0) != 0:  # one put of each, under each worker's own keys (released at close)
+        shared = {name: put_once(value) for name, value in given.items() if value is not None}
+        each = [{**given, **{name: keep(reference) for name, reference in shared.items()}} for _ in range(count)]
+    return [EnvironmentWorker.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **actor_options)
+            .remote(**arguments, **options) for i, arguments in enumerate(each)]
 
 
 class RemoteEnvironmentSource(SessionSource):

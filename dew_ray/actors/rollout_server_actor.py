@@ -49,6 +49,7 @@ from dew.inference.rollout_server import settle
 from dew_ray.actor_loss import actor_lost
 from dew_ray.actors.actor_replicas import RESTART_WAIT, answer
 from dew_ray.actors.keyed_calls import KeyedCalls
+from dew_ray.kept_arguments import Kept, keep, unkept
 from dew_ray.weight_broadcast import WeightBroadcast
 from dew.validation import positive_int
 
@@ -90,6 +91,7 @@ class RolloutServerHost:
                  pushed: bool = True, api_keys: Sequence[str] = (), stale: bool = False):
         # stale: it joins a running pool and serves nothing before its first load
         self.stale = stale or (pushed and restarted_actor())
+        task = unkept(task)  # a restartable server's task is kept by name (dew_ray.kept_arguments)
         self.rollout = NativeRolloutServer(Server.from_task(task, slots=slots, capacity=capacity, lanes=lanes),
                                            version=version, landing=landing)
         self._draws = KeyedCalls(self.rollout.cancel)
@@ -241,10 +243,10 @@ class ServerPool(PooledRolloutServer):
     runners' and environment workers' pools wait: Ray starting the servers of a lost node again,
     each loading the weights before it draws, takes longer than ``timeout``.
 
-    ``task``: the ObjectRef of the ServingTask the servers were built from, which the pool holds
-    for the run (:func:`start_rollout_servers` puts it once): Ray frees the constructor
-    arguments it put itself once the actors exist (ray-project/ray#53727), and a restarted
-    server runs its constructor on them again, as a server added mid-run is built from them.
+    ``task``: the ServingTask the servers were built from, put once by :func:`start_rollout_servers`
+    (an ObjectRef, or a :class:`~dew_ray.kept_arguments.Kept` for restartable servers:
+    a restarted server runs its constructor on it again), which the pool holds for the run, so
+    that a server added mid-run is built from it too; ``close()`` releases a kept one.
     """
 
     def __init__(self, servers: Sequence[RemoteRolloutServer], timeout: float | None = None, task=None):
@@ -273,6 +275,12 @@ class ServerPool(PooledRolloutServer):
     @property
     def version(self) -> int:
         return self.publisher.version
+
+    def close(self) -> None:
+        super().close()
+        if isinstance(self.task, Kept):  # no server of the pool is started or restarted from it again
+            self.task.release()
+            self.task = None
 
     def add(self, actor, name: str) -> int:
         """A RolloutServerActor joining mid-run; it takes draws once it has loaded the newest weights this pool
@@ -340,10 +348,12 @@ def start_rollout_servers(task: ServingTask, count: int, slots: int, capacity: i
     ``placement(i)``, when given, returns actor i's options (its CPUs and placement-group bundle);
     ``timeout``: the pool's (how long a silent server is waited for before it is set aside);
     ``pushed``: RolloutServerHost's; ``options`` go to Ray (``max_restarts``: how often Ray
-    brings a lost server back).
+    brings a lost server back; the task is then kept by name, see
+    :mod:`dew_ray.kept_arguments`).
     """
     positive_int("count", count)
-    task = ray.put(task)  # one put for every server, held by the pool (ServerPool's task)
+    # one put for every server, held by the pool (ServerPool's task)
+    task = keep(task) if options.get("max_restarts", 0) != 0 else ray.put(task)
     actors = [RolloutServerActor.options(**(placement(i) if placement else {"num_cpus": num_cpus}), **options)
               .remote(task, slots, capacity, lanes=lanes, version=version, http=http, pushed=pushed)
               for i in range(count)]

@@ -66,7 +66,6 @@ class RLVRActors:
         self.trainers: list = []
         self.pool = self.fleet = None
         self.environment_workers: list = []
-        self.environment_build = None
         self.grown: list = []  # (placement, server names) of servers added during the run
         self.removed: list[str] = []  # servers taken out during the run
         self.judge_pool = None
@@ -93,10 +92,9 @@ class RLVRActors:
                                              **self.restarts)
         self.fleet = RemoteFleet(self.runners, workers=config.sandbox_workers)
         if self.setup.environment is not None:  # each worker builds the environment in its own process
-            # held for the run: a restarted worker builds its environment from it again
-            self.environment_build = ray.put(PipelineEnvironment(self.setup, self.runners))
+            # kept for the run (start_environment_workers): a restarted worker builds its environment from it again
             self.environment_workers = start_environment_workers(
-                config.environment_workers, self.pool, build=self.environment_build,
+                config.environment_workers, self.pool, build=PipelineEnvironment(self.setup, self.runners),
                 server_timeout=config.server_timeout, workers=config.slots, **self.setup.episode_options(),
                 placement=lambda i: self.placement.options("environment worker", i), actor_options=self.restarts)
 
