@@ -2,9 +2,9 @@
 
 Ray runs a restarted actor's constructor again on the arguments it was first given. An argument that lives in
 Ray's object store (an ObjectRef, a value Ray puts there itself because it is large, or an actor handle inside
-any argument) is there only while some process holds it, and Ray prints an error line at the creation of every
-actor that has such an argument and ``max_restarts`` (``CoreWorker::CreateActor`` in Ray's core_worker.cc;
-ray-project/ray#53727). That line, printed by every run, read as a failure.
+any argument) is there only while some process holds it, and Ray prints an error line (once per process) when it
+creates an actor that has such an argument and ``max_restarts`` (``CoreWorker::CreateActor`` in Ray's
+core_worker.cc; ray-project/ray#53727). Every dew-ray run printed it, and it read as a failure.
 
 :func:`keep` puts a value in the object store once and leaves its reference with the job's
 :class:`ArgumentKeeper`: one named actor per Ray job (the driver's), on the node that first asked for it. A
