@@ -10,7 +10,7 @@ core_worker.cc; ray-project/ray#53727). Every dew-ray run printed it, and it rea
 :class:`ArgumentKeeper`: one named actor per Ray job (the driver's), on the node that first asked for it. A
 constructor is given the small :class:`Kept` instead (the keeper's name and a key, no reference) and calls
 :func:`unkept` on it: the first start and every restart read the same value, for as long as it is kept.
-``Kept.release()`` lets it go; the pool or pipeline that kept it does so when it closes.
+``Kept.release()`` lets it go; the pool or worker that kept it does so when it closes.
 """
 
 from __future__ import annotations
