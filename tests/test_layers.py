@@ -26,7 +26,8 @@ LAYERS = [
     ["dew.recipes"],
     ["dew.objectives.rl"],  # the spec's facade
     ["dew_harbor"],
-    ["dew_ray.ray_auth", "dew_ray.actor_loss", "dew_ray.weight_broadcast", "dew_ray.placement", "dew_ray.dashboard_metrics"],
+    ["dew_ray.ray_auth", "dew_ray.actor_loss", "dew_ray.weight_broadcast", "dew_ray.placement", "dew_ray.dashboard_metrics",
+     "dew_ray.kept_arguments"],
     ["dew_ray.actors"],
     ["dew_ray.pipelines"],
     ["dew_ray.cli", "dew_ray"],
