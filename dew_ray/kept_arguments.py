@@ -54,8 +54,10 @@ class ArgumentKeeper:
 
     async def release(self, key: str) -> None:
         self._kept.pop(key, None)
-        self._arrived.pop(key, None)
         self._released.add(key)
+        waiting = self._arrived.pop(key, None)
+        if waiting is not None:  # a fetch still waiting for the key wakes and names it released, not at its timeout
+            waiting.set()
 
     async def keys(self) -> list[str]:
         return sorted(self._kept)

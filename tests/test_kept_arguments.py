@@ -75,3 +75,27 @@ def test_restartable_roles_come_back_from_kept_arguments_and_ray_prints_no_warni
     assert control, ran.stderr[-3000:]
     assert WARNING not in before, before[-3000:]
     assert WARNING in after, after[-3000:]  # Ray still prints it where it applies: the check above can fail
+
+
+def test_a_fetch_waiting_for_a_key_wakes_when_it_is_kept_or_released():
+    """The keeper's fetch waits for a key the driver's call has not brought yet; a release wakes it at once with the
+    key named, not at its timeout."""
+    import asyncio
+
+    from dew_ray.kept_arguments import ArgumentKeeper
+
+    async def run():
+        keeper = ArgumentKeeper(wait=30)
+        waiting = asyncio.ensure_future(keeper.fetch("a"))
+        await asyncio.sleep(0.05)
+        await keeper.keep("a", ["reference"])
+        assert await waiting == ["reference"]
+        waiting = asyncio.ensure_future(keeper.fetch("b"))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await keeper.release("b")
+        with pytest.raises(KeyError, match="kept as 'b' was released"):
+            await waiting
+        assert time.monotonic() - started < 5
+
+    asyncio.run(run())
