@@ -349,3 +349,43 @@ def pytest_runtest_protocol(item, nextitem):
     with open(log, "a") as file:
         file.write(json.dumps({"test": item.nodeid, "wall": round(wall, 2), "busy_cpu": round(used, 2),
                                "cores_used": round(used / max(wall, 1e-9), 2)}) + "\n")
+
+
+ENGINE_FIXTURES = {"vllm_engine", "container_engine"}  # one engine per worker, and one worker starts Docker's daemon
+
+
+def _shares_setup(item) -> bool:
+    """Whether the test uses a fixture its neighbours in the module reuse: module- or class-scoped, or session-scoped
+    and defined in the module itself (so only that module needs it)."""
+    module = item.nodeid.split("::")[0]
+    for definitions in item._fixtureinfo.name2fixturedefs.values():
+        fixture = definitions[-1]
+        if fixture.scope in ("module", "class") or (fixture.scope == "session" and fixture.baseid == module):
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (the README's ``uv run pytest -q`` runs two workers, ``--dist loadgroup``): tests that
+    start or reuse a real engine (the session's vLLM, Docker, a vLLM of their own: marked ``xdist_group("engines")``)
+    run on one worker, one after another, so at most one of them holds an engine's memory beside the session's
+    engine; a module's tests that share a module-scoped fixture (a Ray cluster, a loaded model, a built site) run on
+    one worker so it is built once. Everything else goes to whichever worker is free. The engine lane goes first and
+    the ``slow`` tests next, so the longest tests start early instead of leaving one worker busy at the end. Each
+    worker collects alike, so each sorts alike. A plain run (``-n 0``, ``-p no:xdist``) keeps the files' order."""
+    if not hasattr(config, "workerinput"):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        if ENGINE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group("engines"))
+        elif _shares_setup(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+    def lane(item) -> int:
+        group = item.get_closest_marker("xdist_group")
+        return 0 if group and group.args[:1] == ("engines",) else 1 if item.get_closest_marker("slow") else 2
+
+    items.sort(key=lane)

