@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=1.0, help="mean seconds between faults")
     parser.add_argument("--server-timeout", type=float, default=5.0)
     args = parser.parse_args()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         result = episode_chaos(args.steps, args.seed, args.every, server_timeout=args.server_timeout)
     finally:

@@ -291,7 +291,7 @@ def main() -> None:
     args = parser.parse_args()
 
     front = front_load(args.requests, args.concurrency, waves=args.waves)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         rollout = rollout_load(sharp_task(), args.draws, args.servers, args.slots)
     finally:

@@ -66,7 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
              object_store_memory=3 << 30)
     results = {}
     try:

@@ -167,7 +167,7 @@ def cluster():
     of the session)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -106,7 +107,7 @@ def scrape(port: int, names: list[str], expect: dict[str, float], timeout: float
 @pytest.mark.slow
 def test_the_driver_api_runs_a_pipeline_and_the_dashboard_series_are_exported(tmp_path, qwen3_gsm8k):
     port = free_port()
-    ray.init(num_cpus=3, include_dashboard=False, _metrics_export_port=port, log_to_driver=False,
+    ray.init(address="local", num_cpus=3, include_dashboard=False, _metrics_export_port=port, log_to_driver=False,
              configure_logging=False)
     try:
         # A user's run: a Hugging Face Qwen3 directory (Qwen3's vocabulary and chat template) on GSM8K verl rows,
@@ -597,7 +598,7 @@ def test_checks_that_can_fail_early_fail_before_any_work(tmp_path, monkeypatch, 
 def test_a_cluster_without_the_cpus_is_refused_before_the_warm_start(tmp_path):
     from dew_ray.pipelines import rlvr as pipeline
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         run = tmp_path / "run"
         with pytest.raises(pipeline.PreflightError, match="reserves 9.25 CPUs .* the Ray cluster has 2"):
@@ -611,6 +612,29 @@ def test_a_cluster_without_the_cpus_is_refused_before_the_warm_start(tmp_path):
     finally:
         ray.shutdown()
 
+
+
+@pytest.mark.ray
+def test_without_an_address_a_run_starts_a_cluster_of_its_own_where_ray_start_left_one_recorded():
+    """Ray records the address of the last cluster ``ray start`` began in ``<temp dir>/ray/ray_current_cluster`` and a
+    bare ``ray.init()`` attaches to it, even after that cluster died (the file stays). ``start_ray`` without an
+    address (and without RAY_ADDRESS) starts a local cluster of the run's own instead: here beside a recorded
+    address nothing answers at."""
+    temp = Path(tempfile.mkdtemp(prefix="dew-rt-", dir="/tmp"))  # short: Ray's sockets are paths under it
+    (temp / "ray").mkdir()
+    dead = f"127.0.0.1:{free_port()}"
+    (temp / "ray" / "ray_current_cluster").write_text(dead)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    code = ("import ray\nfrom dew_ray.pipelines.run_dirs import start_ray\nstart_ray(None, 1)\n"
+            "print('GCS', ray.get_runtime_context().gcs_address)\nray.shutdown()")
+    try:
+        ran = subprocess.run([sys.executable, "-c", code], env={**env, "RAY_TMPDIR": str(temp)}, cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+        started = ran.stdout.split("GCS ")[1].split()[0]
+        assert started != dead and (temp / "ray" / "session_latest").exists()
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 TWO_TURNS = '''"""A user's environment factory for the pipeline test: one tool note after the first response, then the answer,
 which the run's reward scores."""
@@ -694,7 +718,7 @@ def test_the_pipeline_runs_a_users_multi_turn_environment_scored_by_a_model_judg
     judge = make_parity_judge(tmp_path / "judge", even="是", odd="否")
     (tmp_path / "verdicts.py").write_text('def verdict(reply):\n    return {"是": 1.0, "否": 0.0}[reply.strip()]\n')
     template = "{prompt} => {response}"
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         run = tmp_path / "run"
         # the driver API on a user's factory, named by file path, over two environment workers; the judge on a

@@ -176,8 +176,10 @@ def start_ray(address: str | None, cpus_reserved: float) -> None:
         check_packaged_temp_dir()
         ray.init(address=address, log_to_driver=False, configure_logging=False)
         return
-    # A local cluster gets as many logical CPUs as the run reserves (at least the machine's cores):
-    # they are scheduling tokens, and the roles share the cores as any processes do.
+    # "local": a cluster of the run's own. A bare ray.init() attaches to the last cluster `ray start` began on this
+    # machine (Ray's /tmp/ray/ray_current_cluster, left behind when that cluster died too), which is not the run
+    # this command promises. A local cluster gets as many logical CPUs as the run reserves (at least the machine's
+    # cores): they are scheduling tokens, and the roles share the cores as any processes do.
     cpus = max(os.cpu_count() or 1, math.ceil(cpus_reserved))
     # Its workers (trainers, rollout servers) start with glibc's huge pages for malloc (dew.hugepages: XLA's
     # per-step allocations otherwise fault in 4 KB at a time); on a cluster one attaches to, its `ray start`
@@ -185,8 +187,8 @@ def start_ray(address: str | None, cpus_reserved: float) -> None:
     # dew-ray installed, with nothing packaged (see the module docstring).
     uv_hook, ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV, False
     try:
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": hugepage_environment()})
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, runtime_env={"env_vars": hugepage_environment()})
     finally:
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = uv_hook
 

@@ -50,7 +50,7 @@ def restarted(actor, pid: int, within: float = 120.0) -> int:
 
 
 def main() -> None:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     cloudpickle.register_pickle_by_value(test_rollout_sources)  # the actors cannot import the tests
     model, variables = load.sharp_decoder()
     task = ServingTask(model, variables, Sampling(eos_id=EOS, temperature=1.0, top_k=8))
