@@ -146,6 +146,26 @@ def run_python(code: str, *args: str, env: dict | None = None, timeout: float = 
     return result
 
 
+def wait_for_job_agent(dashboard: str, timeout: float = 180) -> None:
+    """Wait until the head at ``dashboard`` (its HTTP address) takes a job, submitting a no-op one until it does. Ray's
+    dashboard gives a ``ray job submit`` 10 s (``WAIT_AVAILABLE_AGENT_TIMEOUT``) to find the head's job agent and
+    otherwise answers "No available agent to submit job, please try again later"; ``ray start`` returns before that
+    agent is up, and on a loaded machine it comes up later than 10 s (seen beside another test worker). (An agent
+    that never comes up, its port held by another node: the heads here start theirs on a free port.)"""
+    from ray.job_submission import JobSubmissionClient
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            JobSubmissionClient(dashboard).submit_job(entrypoint="true")
+            return
+        except (ConnectionError, RuntimeError) as error:
+            if time.monotonic() > deadline or not ("No available agent" in str(error)
+                                                   or isinstance(error, ConnectionError)):
+                raise
+        time.sleep(1)
+
+
 @pytest.fixture
 def tiny_model():
     from dew import models
@@ -365,6 +385,13 @@ def _shares_setup(item) -> bool:
     return False
 
 
+def _container_case(item) -> bool:
+    """Whether the test is the ``"container"`` case of a parametrized runner: it asks for Docker's image at run time
+    (``request.getfixturevalue``), so ``fixturenames`` does not show it."""
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and "container" in callspec.params.values()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (the README's ``uv run pytest -q`` runs two workers, ``--dist loadgroup``): tests that
@@ -379,7 +406,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
-        if ENGINE_FIXTURES & set(item.fixturenames):
+        if ENGINE_FIXTURES & set(item.fixturenames) or _container_case(item):
             item.add_marker(pytest.mark.xdist_group("engines"))
         elif _shares_setup(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

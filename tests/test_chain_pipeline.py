@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT, free_port, import_from
+from conftest import ROOT, free_port, import_from, wait_for_job_agent
 from test_stage_cli import write_data, write_model
 
 from dew.config import ConfigError, load_config
@@ -131,12 +131,17 @@ def test_the_chain_runs_as_a_submitted_ray_job(tmp_path):
     temp_dir, dashboard, port = f"/tmp/dew-chain-head-{free_port()}", free_port(), free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "VIRTUAL_ENV")}
     env["RAY_AUTH_MODE"] = "token"  # conftest made Ray's token (token_auth)
-    lines = [f"uv run ray start --head --num-cpus 2 --port {port} --dashboard-port {dashboard} --temp-dir {temp_dir}",
+    lines = [f"uv run ray start --head --num-cpus 2 --port {port} --dashboard-port {dashboard} "
+             f"--dashboard-agent-listen-port 0 --temp-dir {temp_dir}",
              f"uv run ray job submit --address http://127.0.0.1:{dashboard} --working-dir . -- "
              f"python -m dew_ray.pipelines.chain --config {config} --set run_dir={tmp_path / 'submitted'} "
              "--set trainers=2 --set trainer_cpus=0.5"]  # each stage a two-process jax.distributed group
     try:
-        ran = subprocess.run(["bash", "-ec", "\n".join(lines)], cwd=ROOT, env=env, capture_output=True, text=True,
+        started = subprocess.run(["bash", "-ec", lines[0]], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=300)
+        assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+        wait_for_job_agent(f"http://127.0.0.1:{dashboard}")
+        ran = subprocess.run(["bash", "-ec", lines[1]], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=900)
         assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
         assert "succeeded" in ran.stdout.lower()
