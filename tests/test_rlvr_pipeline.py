@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 ray = pytest.importorskip("ray")
 
-from conftest import ROOT, free_port, import_from, make_parity_judge, wait_for_job_agent  # noqa: E402
+from conftest import ROOT, free_port, import_from, make_parity_judge, run_python, wait_for_job_agent  # noqa: E402
 
 from dew.collection.scoring import completion_ids  # noqa: E402
 from dew.data.verifiable import task_tokenizer  # noqa: E402
@@ -628,13 +628,10 @@ def test_without_an_address_a_run_starts_a_cluster_of_its_own_where_ray_start_le
     (temp / "ray").mkdir()
     dead = f"127.0.0.1:{free_port()}"
     (temp / "ray" / "ray_current_cluster").write_text(dead)
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     code = ("import ray\nfrom dew_ray.pipelines.run_dirs import start_ray\nstart_ray(None, 1)\n"
             "print('GCS', ray.get_runtime_context().gcs_address)\nray.shutdown()")
-    try:
-        ran = subprocess.run([sys.executable, "-c", code], env={**env, "RAY_TMPDIR": str(temp)}, cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
-        assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    try:  # an empty RAY_ADDRESS is no address, for start_ray and for Ray
+        ran = run_python(code, env={"RAY_ADDRESS": "", "RAY_TMPDIR": str(temp)})
         started = ran.stdout.split("GCS ")[1].split()[0]
         assert started != dead and (temp / "ray" / "session_latest").exists()
     finally:
