@@ -149,14 +149,20 @@ def test_a_check_lost_with_its_worker_is_asked_again_until_its_time_is_up(three_
         shared_on_nodes(tmp_path, {node: alive[node]}, timeout=60)
 
 
+def lose(actor) -> None:
+    """Kill ``actor`` and return once Ray reports it dead: ray.kill returns before the kill lands, and a call made
+    meanwhile may still be answered (the driver's next call then misses the loss the test means it to meet)."""
+    ray.kill(actor)
+    with pytest.raises(ray.exceptions.RayActorError):
+        while True:
+            ray.get(actor.__ray_call__.remote(lambda host: None), timeout=30)
+
+
 def step_then_lose(step_group, trainers, count):
     """``step_group`` once, then the trainer lost before anything else reaches it (its update's checkpoint), once."""
     results = step_group(trainers, count)
     rlvr_module.step_group = step_group
-    ray.kill(trainers[0])
-    with pytest.raises(ray.exceptions.RayActorError):
-        while True:  # until Ray reports it dead: the checkpoint's call then finds it lost
-            ray.get(trainers[0].__ray_call__.remote(lambda host: None), timeout=30)
+    lose(trainers[0])  # the checkpoint's call then finds it lost
     return results
 
 
@@ -213,7 +219,7 @@ def test_roles_are_placed_where_the_config_says_and_a_lost_node_is_healed(three_
             monkeypatch.setattr(rlvr_module, "step_group", functools.partial(step_then_lose, rlvr_module.step_group))
             assert [row["step"] for row in pipeline.step(1)] == [3]
             assert pipeline.recoveries == 1
-            ray.kill(pipeline.trainers[0])  # and one lost before the end: finish resumes at update 3, then exports
+            lose(pipeline.trainers[0])  # and one lost before the end: finish resumes at update 3, then exports
             summary = pipeline.finish()
             assert summary["recoveries"] == 2
             assert [serving(a) for a in pipeline.actors.servers] == [(3, False)] * 2
