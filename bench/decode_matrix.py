@@ -62,11 +62,16 @@ def workloads(vocab: int) -> dict[int, dict]:
                 "budgets": [NEW_TOKENS] * c} for c in CONCURRENCY}
 
 
-def measure_shape(name: str, rounds: int, dtype: str = "bfloat16") -> dict:
+def shape_model(name: str):
+    """(model, variables) of shape ``name``: random weights at a trained model's scale."""
     model = models.build("causal_transformer", max_seq_len=4096, tie_embeddings=True, **SHAPES[name])
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     # weights of a trained model's scale, so sampling is not uniform noise
-    variables = jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, variables)
+    return model, jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, variables)
+
+
+def measure_shape(name: str, rounds: int, dtype: str = "bfloat16") -> dict:
+    model, variables = shape_model(name)
     work = workloads(SHAPES[name]["vocab_size"])
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix=f"dew-decode-{name}-") as scratch:

@@ -33,16 +33,11 @@ VARIANTS = ("every core", "one core")
 def child(shape: str, requests: int, dtype: str, neighbour: bool, rounds: int) -> None:
     """Runs in the measured process: prints the tokens per second of each timed round as JSON."""
     sys.path.insert(0, str(HERE))
-    import jax
     import jax.numpy as jnp
-    from decode_matrix import CAPACITY, NEIGHBOUR, SHAPES, workloads
+    from decode_matrix import CAPACITY, NEIGHBOUR, SHAPES, shape_model, workloads
     from serve_throughput import dew_round
 
-    from dew import models
-
-    model = models.build("causal_transformer", max_seq_len=4096, tie_embeddings=True, **SHAPES[shape])
-    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    variables = jax.tree.map(lambda x: x * 2.0 if x.ndim == 2 else x, variables)  # as decode_matrix.py
+    model, variables = shape_model(shape)
     work = workloads(SHAPES[shape]["vocab_size"])[requests]
     dew_round(model, variables, work, jnp.dtype(dtype), CAPACITY)  # compiles
     # the neighbour may run on every core, whatever this process is pinned to
