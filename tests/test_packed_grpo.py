@@ -213,6 +213,25 @@ def _by_sampled_id(batch, values):
     return out
 
 
+def _trains_alike(variables, reference, shared_objective, shared, objective, plain, sampled: int):
+    """Every sampled id's log-probability, the loss and its gradients are the same in both batches."""
+    mine = _by_sampled_id(shared, np.asarray(jax.jit(shared_objective.packed_log_probs)(variables, shared)))
+    theirs = _by_sampled_id(plain, np.asarray(jax.jit(objective.packed_log_probs)(variables, plain)))
+    assert mine.keys() == theirs.keys() and len(mine) == sampled
+    np.testing.assert_allclose([mine[k] for k in sorted(mine)], [theirs[k] for k in sorted(mine)], atol=1e-5)
+
+    def value_and_grad(objective, batch):
+        return jax.jit(jax.value_and_grad(lambda p: objective.loss(p, reference, batch, None), has_aux=True))(variables)
+
+    (shared_loss, shared_metrics), shared_grad = value_and_grad(shared_objective, shared)
+    (plain_loss, plain_metrics), plain_grad = value_and_grad(objective, plain)
+    assert float(shared_metrics["tokens"]) == float(plain_metrics["tokens"]) == sampled
+    np.testing.assert_allclose(shared_loss, plain_loss, rtol=1e-5, atol=1e-6)
+    largest = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(shared_grad), jax.tree.leaves(plain_grad)))
+    scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(plain_grad))
+    assert scale > 1e-4 and largest <= 1e-5 * max(scale, 1.0), (largest, scale)
+
+
 @pytest.mark.parametrize("options", [dict(), dict(beta=0.1, behavior_importance=2.0),
                                      dict(aggregation="session-mean", policy_loss="cispo")],
                          ids=["ppo", "tis+kl", "session-mean+cispo"])
@@ -231,34 +250,22 @@ def test_shared_prompts_score_and_train_exactly_as_the_plain_layout(decoder, opt
     shared_objective = GRPOObjective(model, seq_len=layout.width - 1, layout=layout, **options)
     objective.validate(plain)
     shared_objective.validate(shared)
-    mine = _by_sampled_id(shared, np.asarray(jax.jit(shared_objective.packed_log_probs)(variables, shared)))
-    theirs = _by_sampled_id(plain, np.asarray(jax.jit(objective.packed_log_probs)(variables, plain)))
-    assert mine.keys() == theirs.keys() and len(mine) == 17
-    np.testing.assert_allclose([mine[k] for k in sorted(mine)], [theirs[k] for k in sorted(mine)], atol=1e-5)
-
-    def value_and_grad(objective, batch):
-        return jax.jit(jax.value_and_grad(lambda p: objective.loss(p, reference, batch, None), has_aux=True))(variables)
-
-    (shared_loss, shared_metrics), shared_grad = value_and_grad(shared_objective, shared)
-    (plain_loss, plain_metrics), plain_grad = value_and_grad(objective, plain)
-    assert float(shared_metrics["tokens"]) == float(plain_metrics["tokens"]) == 17
-    np.testing.assert_allclose(shared_loss, plain_loss, rtol=1e-5, atol=1e-6)
-    largest = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(shared_grad), jax.tree.leaves(plain_grad)))
-    scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(plain_grad))
-    assert scale > 1e-4 and largest <= 1e-5 * max(scale, 1.0), (largest, scale)
+    _trains_alike(variables, reference, shared_objective, shared, objective, plain, sampled=17)
 
 
-def test_a_group_with_more_samples_than_slots_takes_another_row_with_its_prompt_again():
+def test_a_group_whose_samples_overflow_the_slots_takes_another_row_with_its_prompt_again():
     sessions = _groups()[:3]  # x: chains of 10, 8 and 6 ids after a 5-id prompt
-    layout = SharedPromptRows(prompt=4, continuations=2, length=6)
+    layout = SharedPromptRows(prompt=4, continuations=1, length=6)
     assert chain_lengths(sessions, layout.width, layout=layout) == [layout.width] * 2  # a row each
     batch = pack(sessions, layout.width, layout=layout)
     assert batch["input_ids"].shape == (2, layout.width)
     assert (batch["input_ids"][:, :4] == [1, 2, 3, 4]).all()  # the prompt but its last id, in both rows
     assert (batch["text_prefix_segments"] > 0).sum() == (10 - 4) + (8 - 4) + (6 - 4)
+    # the longest continuation fills the first row's slot; the other two share the second row's
+    assert sorted(len(set(row[4:][row[4:] > 0])) for row in batch["text_segment_ids"]) == [1, 2]
     with pytest.raises(ValueError, match="a chain of 10 ids .4 of them in a shared prompt., which a slot of 5 ids"):
         pack(sessions, 14, layout=SharedPromptRows(prompt=4, continuations=2, length=5))
-    with pytest.raises(ValueError, match="not the shared-prompt layout's width 16"):
+    with pytest.raises(ValueError, match="not the shared-prompt layout's width 10"):
         pack(sessions, WIDTH, layout=layout)
 
 
@@ -314,11 +321,17 @@ def test_a_batch_of_short_responses_trains_on_shorter_slots_with_the_same_number
     sessions = _groups()
     full = SharedPromptRows(prompt=4, continuations=3, length=40)  # room for 39 sampled ids after the prompt
     fitted = fitted_layout(sessions, full)
-    # the longest continuation is x's first chain: its prompt's last id and 5 more ids; slots round up to 16
-    assert fitted == SharedPromptRows(prompt=4, continuations=3, length=16) and fitted.width < full.width
-    assert full.fitted(40) == full and full.fitted(33) == full  # never past the layout's own slots
-    with pytest.raises(ValueError, match="continuations of 41 ids do not fit slots of 40"):
-        full.fitted(41)
+    # x's three continuations (6, 4 and 2 ids: the prompt's last id and the sampled ids) fill one slot of 16, y's two
+    # (5 and 3) another; z's prompt is a single id, nothing to share: a row for each of its chains, as in full's rows
+    assert fitted == SharedPromptRows(prompt=4, continuations=1, length=16) and fitted.width < full.width
+    assert full.with_width(full.width) == full and full.narrower()[-1] == full
+    # the layout's 3 slots at 40, 32 or 16 ids, or 1 slot of a multiple of 16 ids: at 48 and 96 ids the same widths
+    # as 3 slots of 16 and of 32, which those widths name
+    assert [narrower.width for narrower in full.narrower()] == [20, 36, 52, 68, 84, 100, 116, 124]
+    assert full.with_width(52) == SharedPromptRows(prompt=4, continuations=3, length=16)
+    with pytest.raises(ValueError, match="rows of 23 ids are not 4 prompt ids and 3 slots of at most 40 ids, nor "
+                                         "1 slots of a multiple of 16 ids"):
+        full.with_width(23)
     objective = GRPOObjective(model, seq_len=full.width - 1, layout=full, beta=0.1, behavior_importance=2.0)
     short, plain = pack(sessions, fitted.width, layout=fitted), pack(sessions, WIDTH)
     objective.validate(short)  # a fitted batch is one of the layout's
@@ -330,3 +343,31 @@ def test_a_batch_of_short_responses_trains_on_shorter_slots_with_the_same_number
     np.testing.assert_allclose([mine[k] for k in sorted(theirs)], [theirs[k] for k in sorted(theirs)], atol=1e-5)
     loss = lambda o, b: o.loss(variables, reference, b, None)[0]  # noqa: E731
     np.testing.assert_allclose(loss(objective, short), loss(plain_objective, plain), rtol=1e-5, atol=1e-6)
+
+
+def test_short_continuations_share_longer_slots_in_half_as_many_with_the_same_numbers(decoder):
+    model, variables, reference = decoder
+    model = model.clone(max_seq_len=256)  # rows of the full layout are wider than the fixture's 32 positions
+    rng = np.random.default_rng(2)
+    prompt = [1, 2, 3, 4, 5]
+    sessions = []
+    for sample, sampled in enumerate([39, 20, 10, 5]):
+        ids = rng.integers(6, 32, sampled).tolist()
+        behavior = -rng.uniform(0.1, 3.0, sampled)
+        old = (behavior + rng.normal(0, 0.3, sampled)).clip(max=0).tolist()
+        sessions.append(Session(Task("x"), 0, sample, 0, [Call(prompt, ids, behavior.tolist(), "stop", 0,
+                                                                old_log_probs=old)], Status.COMPLETED,
+                                reward=float(sample % 2)))
+    full = SharedPromptRows(prompt=4, continuations=4, length=48)
+    fitted = fitted_layout(sessions, full)
+    # continuations of 40, 21, 11 and 6 ids (the prompt's last id and the sampled ids): slots of 32 are too short
+    # for the first; half the slots, 2 of 48, hold all four (40 + 6 and 21 + 11), narrower than 4 slots of 48
+    assert fitted == SharedPromptRows(prompt=4, continuations=2, length=48) and full.with_width(100) == fitted
+    short, plain = pack(sessions, fitted.width, layout=fitted), pack(sessions, 48)
+    assert short["input_ids"].shape == (1, 100)
+    assert [len(set(short["text_segment_ids"][0, 4 + 48 * slot:4 + 48 * (slot + 1)]) - {0}) for slot in (0, 1)] == [2, 2]
+    options = dict(beta=0.1, behavior_importance=2.0)
+    objective = GRPOObjective(model, seq_len=full.width - 1, layout=full, **options)
+    plain_objective = GRPOObjective(model, seq_len=47, **options)
+    objective.validate(short)
+    _trains_alike(variables, reference, objective, short, plain_objective, plain, sampled=74)

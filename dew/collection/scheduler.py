@@ -105,8 +105,9 @@ class RolloutScheduler:
     deterministic: draws under the version submitted at, admission in submission order (see the module docstring).
     layout: a :class:`~dew.models.packed_attention.SharedPromptRows`: pack each group's prompt once for its samples
     (``pack(..., layout=...)``), a row per group; ``width`` must be the layout's and ``rows`` the groups of a batch.
-    On one process a batch's slots are only as long as its longest response needs (``fitted_layout``: fewer ids
-    to train on once responses get short); several processes keep the layout's, as their rows must agree.
+    On one process a batch's rows have only the slots its responses fill (``fitted_layout``: fewer and shorter
+    slots, short responses sharing one, so fewer ids to train on); several processes keep the layout's, as their
+    rows must agree.
     push: on a multi-process trainer, "one" (process 0 loads ``weights``, which serves
     every process's source) or "each" (every process loads its own ``weights``).
     """

@@ -4,15 +4,20 @@
 masked by segments (causal within each) and softmaxed in float32 (float64 for a float64 model).
 
 A GRPO group's samples share one prompt. :class:`SharedPromptRows` is a row that holds the
-prompt once and each sample after it in a slot of its own: the first ``prompt`` ids are the
-prompt but its last id, then ``continuations`` slots of ``length`` ids, each the prompt's last
-id and one sample (``pack(..., layout=...)`` writes it; its segments and ``prefix_segments``
-say who attends to whom). The prompt's queries attend only within the prompt, and a slot's
-queries only to the prompt and their own slot, so :func:`attend_shared` computes the prompt's
-``prompt x prompt`` block and each slot's ``length x (prompt + length)`` block instead of the
-row's ``width x width``: for 8 samples of 48 ids after a 60-id prompt, a ninth of the scores,
-which dominate the attention's time on a CPU (their softmax and its gradient are elementwise
-passes over every score).
+prompt once and the samples after it in slots: the first ``prompt`` ids are the prompt but its
+last id, then ``continuations`` slots of ``length`` ids, each holding one or more samples back to
+back, every one of them the prompt's last id and one sample (``pack(..., layout=...)`` writes it;
+its segments and ``prefix_segments`` say who attends to whom). The prompt's queries attend only
+within the prompt, and a sample's queries only to the prompt and their own sample, which lies
+in one slot, so :func:`attend_shared` computes the prompt's ``prompt x prompt`` block and each
+slot's ``length x (prompt + length)`` block instead of the row's ``width x width``: for 8
+samples of 48 ids after a 60-id prompt, a ninth of the scores, which dominate the attention's
+time on a CPU (their softmax and its gradient are elementwise passes over every score).
+
+A batch's rows need only the slots its samples fill: :meth:`SharedPromptRows.narrower` lists
+the layouts a layout's rows may shrink to (all slots but shorter, or half the slots, each holding
+several short samples), one for each width, so that a batch's width alone names its layout
+(:meth:`SharedPromptRows.with_width`).
 """
 
 from __future__ import annotations
@@ -22,13 +27,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-SLOT_STEP = 16  # SharedPromptRows.fitted: slot lengths a batch may take are multiples of this (and the longest)
+SLOT_STEP = 16  # SharedPromptRows.lengths: the slot lengths a batch may take are multiples of this (and the longest)
+# SharedPromptRows._shapes also offers rows of half the layout's slots, each longer, where short continuations share a
+# slot. Half, not fewer: a slot's scores grow with its square, and on SmolLM2 (8 samples after a 69-id prompt, an
+# update in one process) 2 slots of 144 took 11.3 s, 4 of 80 11.8 s, 1 of 288 13.4 s, 2 of 224 21.5 s against
+# 8 of 64 20.6 s.
 
 
 @dataclasses.dataclass(frozen=True)
 class SharedPromptRows:
     """A row of one shared prompt and its continuations (module docstring): ``prompt`` ids for the prompt but its
-    last id, then ``continuations`` slots of ``length`` ids."""
+    last id, then ``continuations`` slots of ``length`` ids, each holding one or more continuations."""
 
     prompt: int
     continuations: int
@@ -44,23 +53,34 @@ class SharedPromptRows:
     def width(self) -> int:
         return self.prompt + self.continuations * self.length
 
-    def fitted(self, needed: int, step: int = SLOT_STEP) -> SharedPromptRows:
-        """This layout with slots only as long as ``needed`` ids, rounded up to a multiple of ``step`` (at most
-        ``length``): a batch whose continuations are short trains on fewer ids, and the few lengths it can take
-        compile once each."""
-        if needed < 1:
-            raise ValueError(f"a slot holds at least one id, got needed={needed}")
-        if needed > self.length:
-            raise ValueError(f"continuations of {needed} ids do not fit slots of {self.length}")
-        return dataclasses.replace(self, length=min(self.length, -(-needed // step) * step))
+    def lengths(self) -> list[int]:
+        """The slot lengths this layout's rows may take, longest first: this layout's own and every shorter
+        multiple of ``SLOT_STEP``, so the few a run's batches take compile once each."""
+        return [self.length, *range(-(-self.length // SLOT_STEP) * SLOT_STEP - SLOT_STEP, 0, -SLOT_STEP)]
+
+    def _shapes(self) -> list[tuple[int, int]]:
+        """(slots, length) of the rows this layout's may shrink to, by priority: all its slots, each as long as
+        :meth:`lengths` allows; then half its slots, of any multiple of ``SLOT_STEP`` ids, each holding several
+        short continuations, where they make narrower rows."""
+        half = self.continuations // 2
+        longer = range(SLOT_STEP, -(-self.continuations * self.length // max(half, 1)), SLOT_STEP)
+        return ([(self.continuations, length) for length in self.lengths()]
+                + [(half, length) for length in longer if half])
 
     def with_width(self, width: int) -> SharedPromptRows:
-        """This layout with the slot length that makes rows of ``width`` ids (a batch of :meth:`fitted` slots)."""
-        length, rest = divmod(width - self.prompt, self.continuations)
-        if rest or not 1 <= length <= self.length:
-            raise ValueError(f"rows of {width} ids are not {self.prompt} prompt ids and {self.continuations} slots of "
-                             f"at most {self.length} ids")
-        return dataclasses.replace(self, length=length)
+        """The layout of this one's rows that are ``width`` ids wide: the first of :meth:`_shapes` that fills
+        ``width``."""
+        for slots, length in self._shapes():
+            if self.prompt + slots * length == width:
+                return dataclasses.replace(self, continuations=slots, length=length)
+        raise ValueError(f"rows of {width} ids are not {self.prompt} prompt ids and {self.continuations} slots of at "
+                         f"most {self.length} ids, nor {self.continuations // 2} slots of a multiple of {SLOT_STEP} ids")
+
+    def narrower(self) -> list[SharedPromptRows]:
+        """Every layout this one's rows may shrink to (fewer or shorter slots), narrowest first, one for each width
+        (the one :meth:`with_width` names): this layout last."""
+        widths = {self.prompt + slots * length for slots, length in self._shapes()}
+        return [self.with_width(width) for width in sorted(widths)]
 
 
 def accumulation(dtype) -> jnp.dtype:

@@ -89,7 +89,8 @@ class GRPOObjective(Objective):
     trained policy, detached: see the module docstring). layout: the batches' rows hold one shared prompt and its
     samples (:class:`~dew.models.packed_attention.SharedPromptRows`, as ``pack(..., layout=...)`` writes them),
     so attention computes only the blocks they need; ``seq_len + 1`` must be its width, and a batch may have
-    shorter slots (:meth:`~dew.models.packed_attention.SharedPromptRows.fitted`: fewer ids to train on).
+    fewer or shorter slots (:meth:`~dew.models.packed_attention.SharedPromptRows.narrower`: fewer ids to train
+    on), its width naming which (:meth:`~dew.models.packed_attention.SharedPromptRows.with_width`).
     """
 
     def __init__(
@@ -156,7 +157,7 @@ class GRPOObjective(Objective):
         owner = f"GRPOObjective(seq_len={self.seq_len})"
         width = self.seq_len + 1
         if self.layout is not None and "input_ids" in batch and np.ndim(batch["input_ids"]) == 2:
-            width = self.layout.with_width(np.shape(batch["input_ids"])[1]).width  # slots as long as the batch needs
+            width = self.layout.with_width(np.shape(batch["input_ids"])[1]).width  # the slots the batch needs
         rows = None
         if self.max_token_lag is not None and "lags" not in batch:
             raise ValueError(f"{owner}: max_token_lag={self.max_token_lag} needs the batch field 'lags' (each sampled "

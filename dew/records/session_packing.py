@@ -11,15 +11,17 @@ its docstring). ``chain_lengths`` and ``rows_needed`` size a batch beforehand;
 share once: the chains of one group (task and group) that start with the same first prompt
 become one *unit*, a row of its own: the prompt but its last id as one segment in the row's
 first ``prompt`` ids, then each chain from that last id on as a segment of its own in one of
-``continuations`` slots of ``length`` ids, whose ids also attend to the whole prompt segment
+``continuations`` slots of ``length`` ids (the longest first, each in the first slot with room
+left, so short continuations share a slot), whose ids also attend to the whole prompt segment
 (``text_prefix_segments`` names it; the decoder's packed mask reads it, and its attention
-computes only those blocks: :mod:`dew.models.packed_attention`), positions continuing the
+computes only the slots' blocks: :mod:`dew.models.packed_attention`), positions continuing the
 prompt's. Every id then sees exactly the prefix it saw in its own chain, so each
 log-probability is the same as in the plain layout, and a group of G samples of a P-id prompt
-takes ``P - 1 + G x (R + 1)`` ids for responses of R instead of ``G x (P + R)``: the training
-forward and backward pass cost about that much less (half, for 8 samples of a 60-id prompt
-and 32-id answers). A group with more chains than slots takes more rows, each with the prompt
-again; a prompt or a chain longer than the layout's room raises.
+takes about ``P - 1 + G x (R + 1)`` ids for responses of R on average instead of ``G x (P + R)``:
+the training forward and backward pass cost about that much less (half, for 8 samples of a
+60-id prompt and 32-id answers). A group whose chains overflow a row's slots takes more rows,
+each with the prompt again; a prompt or a chain longer than the layout's room raises.
+``fitted_layout`` names the narrowest rows (fewer or shorter slots) a batch's chains fit.
 """
 
 from __future__ import annotations
@@ -135,21 +137,33 @@ def chain_lengths(sessions: Sequence[Session], width: int, truncation: str = "ma
 
 def fitted_layout(sessions: Sequence[Session], layout: SharedPromptRows, truncation: str = "mask"
                   ) -> SharedPromptRows:
-    """``layout`` with slots as short as these sessions' chains allow (:meth:`SharedPromptRows.fitted`): the layout
-    to ``pack`` them in for a batch of fewer ids."""
+    """The narrowest of ``layout``'s rows (:meth:`SharedPromptRows.narrower`: fewer or shorter slots) that holds
+    these sessions' chains in no more rows than ``layout`` does: the layout to ``pack`` them in for a batch of fewer
+    ids."""
     check_truncation(truncation)
     chains = [chain for number, session, _ in _trained(sessions, truncation) for chain in chains_of(session, number)]
-    needed = max((len(chains[i]) - unit.shared for unit in _units(chains, sessions, layout) for i in unit.chains),
-                 default=1)
-    return layout.fitted(needed)
+    rows = len(_units(chains, sessions, layout))
+    for narrower in layout.narrower():
+        try:
+            if len(_units(chains, sessions, narrower)) <= rows:
+                return narrower
+        except _TooLong:  # a chain longer than this layout's slots: try wider ones
+            continue
+    return layout
+
+
+class _TooLong(ValueError):
+    """A chain that no slot of the layout can hold."""
 
 
 @dataclasses.dataclass
 class _Unit:
     """What pack places in one piece: one chain, or (with a layout) a prompt and the chains that continue it."""
 
-    chains: list  # indices into the chains
+    chains: list  # indices into the chains, in order
     shared: int = 0  # ids of the shared prompt segment (the first prompt but its last id); 0 without one
+    places: list = dataclasses.field(default_factory=list)  # with a layout: each chain's (slot, offset in the slot)
+    filled: list = dataclasses.field(default_factory=list)  # with a layout: the ids each slot holds so far
 
 
 def _units(chains: Sequence[Chain], sessions: Sequence[Session], layout: SharedPromptRows | None) -> list[_Unit]:
@@ -158,7 +172,8 @@ def _units(chains: Sequence[Chain], sessions: Sequence[Session], layout: SharedP
     if layout is None:
         return [_Unit([index]) for index in range(len(chains))]
     units: list[_Unit] = []
-    last = None
+    group: list[int] = []  # consecutive chains that continue one prompt of one group
+    group_shared, last = 0, None
     for index, chain in enumerate(chains):
         prompt = chain.members[0][1]  # the ids of the chain's first prompt
         key = (sessions[chain.session].key, tuple(chain.ids[:prompt]))
@@ -166,13 +181,39 @@ def _units(chains: Sequence[Chain], sessions: Sequence[Session], layout: SharedP
         if shared > layout.prompt:
             shared = 0  # too long to share: the chain alone in a slot, if it fits one
         if len(chain) - shared > layout.length:
-            raise ValueError(f"{sessions[chain.session].describe()} has a chain of {len(chain)} ids ({shared} of them "
-                             f"in a shared prompt), which a slot of {layout.length} ids cannot hold")
-        if shared and last == key and len(units[-1].chains) < layout.continuations:
-            units[-1].chains.append(index)
-            continue
-        units.append(_Unit([index], shared))
+            raise _TooLong(f"{sessions[chain.session].describe()} has a chain of {len(chain)} ids ({shared} of them "
+                           f"in a shared prompt), which a slot of {layout.length} ids cannot hold")
+        if not (shared and last == key):
+            units += _slotted(group, group_shared, chains, layout)
+            group, group_shared = [], shared
+        group.append(index)
         last = key if shared else None
+    return units + _slotted(group, group_shared, chains, layout)
+
+
+def _slotted(group: list[int], shared: int, chains: Sequence[Chain], layout: SharedPromptRows) -> list[_Unit]:
+    """Rows for chains that continue one prompt (``group``, ``shared`` of its ids in the prompt segment; 0: a chain
+    alone in a row): the longest first, each in the first slot of a row with room left for it, a new slot opened
+    where none has (a new row, the prompt again, where a row has all its slots)."""
+    units: list[_Unit] = []
+    for index in sorted(group, key=lambda i: len(chains[i]), reverse=True):  # stable: ties keep their order
+        need = len(chains[index]) - shared
+        home = next(((unit, slot) for unit in units for slot, used in enumerate(unit.filled)
+                     if used + need <= layout.length), None)
+        if home is None:
+            unit = next((unit for unit in units if len(unit.filled) < layout.continuations), None) if shared else None
+            if unit is None:
+                unit = _Unit([], shared)
+                units.append(unit)
+            unit.filled.append(0)
+            home = (unit, len(unit.filled) - 1)
+        unit, slot = home
+        unit.chains.append(index)
+        unit.places.append((slot, unit.filled[slot]))
+        unit.filled[slot] += need
+    for unit in units:  # segments numbered in the chains' order
+        order = sorted(range(len(unit.chains)), key=lambda k: unit.chains[k])
+        unit.chains, unit.places = [unit.chains[k] for k in order], [unit.places[k] for k in order]
     return units
 
 
@@ -325,8 +366,8 @@ def pack(
             batch["input_ids"][row, span] = first.ids[:unit.shared]
             batch["text_segment_ids"][row, span] = prefix_segment
             batch["text_positions"][row, span] = np.arange(unit.shared)
-        for slot, index in enumerate(unit.chains):
-            offset = start if layout is None else layout.prompt + slot * layout.length
+        for index, place in zip(unit.chains, unit.places or [None], strict=True):
+            offset = start if layout is None else layout.prompt + place[0] * layout.length + place[1]
             chain, advantage = chains[index], chain_advantage[index]
             skip = unit.shared  # the chain's ids before this segment live in the prefix segment
             length = len(chain) - skip
