@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from interleaved import RESULTS, ROOT
 
-from dew.models.packed_attention import SLOT_STEP, SharedPromptRows
+from dew.models.packed_attention import SharedPromptRows
 from dew.objectives.grpo import GRPOObjective
 from dew.recipes.run_inputs import load_policy
 from dew.records.session_packing import fitted_layout, pack
@@ -61,8 +61,8 @@ def sessions(max_new_tokens: int, seed: int = 0) -> list[Session]:
 
 def layouts(batch: list[Session], max_new_tokens: int) -> dict[str, SharedPromptRows]:
     full = SharedPromptRows(PROMPT - 1, SAMPLES, max_new_tokens + 1)
-    longest = 1 + max(len(s.calls[0].sampled_ids) for s in batch)
-    shorter = SharedPromptRows(PROMPT - 1, SAMPLES, min(full.length, -(-longest // SLOT_STEP) * SLOT_STEP))
+    longest = 1 + max(len(s.calls[0].sampled_ids) for s in batch)  # the prompt's last id and the response
+    shorter = SharedPromptRows(PROMPT - 1, SAMPLES, min(length for length in full.lengths() if length >= longest))
     return {"layout": full, "shorter slots": shorter, "fitted": fitted_layout(batch, full)}
 
 

@@ -143,7 +143,7 @@ def fitted_layout(sessions: Sequence[Session], layout: SharedPromptRows, truncat
     check_truncation(truncation)
     chains = [chain for number, session, _ in _trained(sessions, truncation) for chain in chains_of(session, number)]
     rows = len(_units(chains, sessions, layout))
-    for narrower in layout.narrower():
+    for narrower in layout.narrower()[:-1]:  # the last is layout itself
         try:
             if len(_units(chains, sessions, narrower)) <= rows:
                 return narrower
