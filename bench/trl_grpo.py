@@ -1,6 +1,6 @@
 """dew-ray's GRPO against TRL's GRPOTrainer on SmolLM2-135M-Instruct's word problems: step time and time to reward.
 
-    uv run python bench/trl_grpo.py step-time [--rounds 2] [--steps 6] [--bf16-peer]
+    uv run python bench/trl_grpo.py step-time [--rounds 2] [--steps 6] [--peers float32,bf16]
     uv run python bench/trl_grpo.py time-to-reward [--minutes 30] [--bf16-peer] [--dew-run RUN_DIR]
 
 Both runs train the same model (tools/smollm2.py builds it), on the same prompts (the built-in
@@ -11,9 +11,10 @@ TRL runs in the reference environment (``.venv-ref``, bench/peers/trl_grpo.py: G
 CPU, 2 threads, ``beta=0``, one update per generation batch); dew-ray runs ``dew-ray rlvr`` on
 that recipe.
 
-``step-time``: ``rounds`` rounds, each a TRL run of ``steps`` steps then a dew-ray run of as many
-updates, in fresh processes (the machine's noise hits both alike); the median seconds of a step
-after the first two (compilation, warm-up), and their ratio. ``time-to-reward``: one TRL run of
+``step-time``: ``rounds`` rounds, each a TRL run of ``steps`` steps in every precision ``--peers``
+names (float32, and ``bf16``: under bfloat16 autocast) then a dew-ray run of as many updates, in
+fresh processes (the machine's noise hits all alike); the median seconds of a step after the
+first two (compilation, warm-up), and dew-ray's over each TRL's. ``time-to-reward``: one TRL run of
 ``minutes`` of training (held-out measured every 5 steps) and one dew-ray run of the recipe (or
 the run directory given), the held-out reward of each against its training seconds (measurements
 excluded) in bench/results/trl_grpo.png, and when dew-ray first reached TRL's last held-out
@@ -79,25 +80,30 @@ def dew_run(run_dir: Path, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def step_time(rounds: int, steps: int, bf16: bool) -> dict:
+PEER_NAMES = {"float32": "TRL GRPOTrainer, float32", "bf16": "TRL GRPOTrainer, bf16 autocast"}
+
+
+def step_time(rounds: int, steps: int, peers: list[str]) -> dict:
     data = RESULTS / "trl_grpo"
     prepare(data)
-    seconds: dict[str, list[float]] = {"TRL GRPOTrainer": [], "dew-ray rlvr": []}
+    seconds: dict[str, list[float]] = {**{PEER_NAMES[peer]: [] for peer in peers}, "dew-ray rlvr": []}
     for index in range(rounds):
-        trl = trl_run(data, data / f"step-time-{index}.jsonl", steps, bf16)
-        seconds["TRL GRPOTrainer"] += [row["seconds"] for row in trl if "seconds" in row][WARM:]
+        for peer in peers:
+            trl = trl_run(data, data / f"step-time-{peer}-{index}.jsonl", steps, peer == "bf16")
+            seconds[PEER_NAMES[peer]] += [row["seconds"] for row in trl if "seconds" in row][WARM:]
         dew = dew_run(data / f"dew-step-time-{index}", f"steps={steps}", "eval_points=0", "eval_tasks=8",
                       "eval_samples=1", f"checkpoint_every={steps}")
         seconds["dew-ray rlvr"] += [row["wall"] for row in dew][WARM:]
-        print(f"round {index}: TRL {statistics.median(seconds['TRL GRPOTrainer']):.1f} s per step, dew-ray "
-              f"{statistics.median(seconds['dew-ray rlvr']):.1f} s per update", flush=True)
+        print(f"round {index}: " + ", ".join(f"{name} {statistics.median(values):.1f} s a step"
+                                              for name, values in seconds.items()), flush=True)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
-    plot_step_time(seconds, bf16)
-    return {"steps": steps, "rounds": rounds, "peer_bf16": bf16, "seconds_per_step": medians,
-            "all_seconds": seconds, "ratio_dew_over_trl": medians["dew-ray rlvr"] / medians["TRL GRPOTrainer"]}
+    plot_step_time(seconds)
+    return {"steps": steps, "rounds": rounds, "peers": peers, "seconds_per_step": medians, "all_seconds": seconds,
+            "ratio_dew_over_trl": {PEER_NAMES[peer]: medians["dew-ray rlvr"] / medians[PEER_NAMES[peer]]
+                                   for peer in peers}}
 
 
-def plot_step_time(seconds: dict[str, list[float]], bf16: bool) -> None:
+def plot_step_time(seconds: dict[str, list[float]]) -> None:
     """Every measured step of each side as a point, its median as a bar: bench/results/trl_grpo_step_time.png."""
     import matplotlib
 
@@ -106,10 +112,9 @@ def plot_step_time(seconds: dict[str, list[float]], bf16: bool) -> None:
 
     figure, axis = plt.subplots(figsize=(6, 3.5))
     for index, (name, values) in enumerate(seconds.items()):
-        label = name + (" (bf16)" if bf16 and name.startswith("TRL") else "")
-        axis.bar(index, statistics.median(values), color="C%d" % index, alpha=0.6, label=label)
+        axis.bar(index, statistics.median(values), color="C%d" % index, alpha=0.6, label=name)
         axis.scatter([index] * len(values), values, color="black", s=12, zorder=3)
-    axis.set_xticks(range(len(seconds)), list(seconds))
+    axis.set_xticks(range(len(seconds)), [name.replace(", ", "\n") for name in seconds])
     axis.set_ylabel("seconds per GRPO step (8 prompts x 8 samples)")
     axis.set_title("SmolLM2-135M-Instruct GRPO step, 2-core CPU")
     figure.tight_layout()
@@ -166,16 +171,21 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--bf16-peer", action="store_true", help="TRL under bfloat16 autocast instead of float32")
+    parser.add_argument("--peers", default="float32", help="step-time: TRL's precisions, comma-separated, each run "
+                        "every round (float32; bf16: under bfloat16 autocast)")
+    parser.add_argument("--bf16-peer", action="store_true",
+                        help="time-to-reward: TRL under bfloat16 autocast instead of float32")
     parser.add_argument("--dew-run", type=Path, default=None, help="a finished dew-ray run of the recipe to compare")
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "trl_grpo.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     if args.mode == "step-time":
-        key = "step_time_bf16_peer" if args.bf16_peer else "step_time"
-        results[key] = step_time(args.rounds, args.steps, args.bf16_peer)
-        print(json.dumps({k: v for k, v in results[key].items() if k != "all_seconds"}, indent=2))
+        peers = args.peers.split(",")
+        if not peers or set(peers) - set(PEER_NAMES):
+            parser.error(f"--peers takes {' and '.join(PEER_NAMES)}, comma-separated; got {args.peers!r}")
+        results["step_time"] = step_time(args.rounds, args.steps, peers)
+        print(json.dumps({k: v for k, v in results["step_time"].items() if k != "all_seconds"}, indent=2))
     else:
         results["time_to_reward"] = time_to_reward(args.minutes, args.bf16_peer, args.dew_run)
         print(json.dumps(results["time_to_reward"], indent=2))
