@@ -151,7 +151,7 @@ def time_to_reward(minutes: float, bf16: bool, dew_dir: Path | None) -> dict:
     target = trl_points[-1][1]
     reached = next((seconds for seconds, reward in dew_points if reward >= target), None)
     figure, axis = plt.subplots(figsize=(7, 4))
-    for (label, points) in (("TRL GRPOTrainer" + (" (bf16)" if bf16 else ""), trl_points), ("dew-ray rlvr", dew_points)):
+    for (label, points) in ((PEER_NAMES["bf16" if bf16 else "float32"], trl_points), ("dew-ray rlvr", dew_points)):
         axis.plot([s / 60 for s, _ in points], [r for _, r in points], marker="o", label=label)
     axis.axhline(target, color="grey", linestyle=":", linewidth=1)
     axis.set_xlabel("training minutes (held-out measurements excluded)")
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     results = json.loads(path.read_text()) if path.exists() else {}
     if args.mode == "step-time":
         peers = args.peers.split(",")
-        if not peers or set(peers) - set(PEER_NAMES):
+        if set(peers) - set(PEER_NAMES):  # an empty --peers splits to [""], refused here too
             parser.error(f"--peers takes {' and '.join(PEER_NAMES)}, comma-separated; got {args.peers!r}")
         results["step_time"] = step_time(args.rounds, args.steps, peers)
         print(json.dumps({k: v for k, v in results["step_time"].items() if k != "all_seconds"}, indent=2))
