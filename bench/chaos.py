@@ -2,8 +2,10 @@
 
 A Ray head is started for the run (its own temporary directory, loopback), and ``dew-ray
 rlvr`` runs on it as a separate driver process with several rollout servers and sandbox
-runners. This process attaches to the same cluster and, at seeded random moments, injects
-one fault at a time into the live pipeline (its actors carry names, ``RolePlacement``):
+runners. This process attaches to the same cluster and injects one fault at a time into the
+live pipeline (its actors carry names, ``RolePlacement``), seeded, at random moments
+(``--every`` seconds apart on average) or a chosen number after each update a driver trains
+(``--per-update``: no update meets more on any machine, bench/fault_schedule.py):
 
 - ``ray.kill`` of a rollout server or of a sandbox runner;
 - SIGKILL of a rollout server's process (the engine dying under it);
@@ -56,7 +58,7 @@ throughout (a restarted one serves nothing until it has loaded). After the run:
 
 The checks are ``bench/chaos_checks.py``'s.
 
-    uv run python bench/chaos.py [--steps 40] [--seed 0] [--every 3] [--nodes 2] [--trainer-kills 1]
+    uv run python bench/chaos.py [--steps 40] [--seed 0] [--every 3 | --per-update 2] [--nodes 2] [--trainer-kills 1]
         [--set servers_max=5] [--engine vllm]
 
 Prints the faults injected and survived and the invariants; writes bench/results/chaos.{json,png}, the plot
@@ -88,6 +90,7 @@ import ray  # noqa: E402
 
 from chaos_checks import check_run, fleet_log, print_faults_and_invariants, sandbox_chaos  # noqa: E402
 from chaos_plot import plot_timeline  # noqa: E402
+from fault_schedule import FaultSchedule  # noqa: E402
 from dew.inference.engines import free_port  # noqa: E402
 from dew_ray.pipelines.rlvr_config import load_config  # noqa: E402
 from dew_ray.pipelines.rlvr_fleet import FleetRequest, ask  # noqa: E402
@@ -372,11 +375,14 @@ class Injector:
 # ----- the run ----------------------------------------------------------------------------------------------------
 
 
-def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[str], servers: int = 3,
+def chaos_run(run_dir: Path, steps: int, seed: int, every: float | None, options: list[str], servers: int = 3,
               runners: int = 3, timeout: float = 3600.0, server_timeout: float = 10.0,
-              first: Sequence[str] = (), nodes: int = 0, trainer_kills: int = 0, engine: str = "native") -> dict:
+              first: Sequence[str] = (), nodes: int = 0, trainer_kills: int = 0, engine: str = "native",
+              per_update: int | None = None) -> dict:
     """The pipeline under faults until it finishes (see the module docstring); returns faults and invariants.
 
+    Faults come ``every`` seconds on average, or ``per_update`` after each update a driver trains (``every`` None):
+    bench/fault_schedule.py.
     ``first``: fault kinds injected before the seeded ones, in order (each once it is possible); ``nodes``: worker
     nodes beside the head, where the rollout servers and sandbox runners are spread (the ``rollout`` resource),
     which "remove node" faults take away and replace; ``trainer_kills``: how many "ray.kill trainer" faults a run
@@ -393,6 +399,7 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
                f"--run-dir={run_dir}", *[f"--set={item}" for item in settings]]
     rng = random.Random(seed)
     kill_after = rng.randint(2, max(2, steps - 2))  # the update after which the driver is killed, once
+    schedule = FaultSchedule(rng, every=every, per_update=per_update)
     outputs, resumed_at, driver_runs, recoveries = [], [], 0, 0
     workers: list[RayWorkerNode] = []
     try:
@@ -430,14 +437,13 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float, options: list[
             killer = threading.Thread(target=_kill_after, args=(driver, run_dir, kill_after, killed), daemon=True)
             if not driver_killed:
                 killer.start()
-            next_fault = time.monotonic() + rng.uniform(0.5, 2) * every
-            started = _updates(run_dir)  # faults start once this driver trains: its start (actors, restore) is spared
+            schedule.start(_updates(run_dir))
             while driver.poll() is None and time.monotonic() < deadline and not killed:
-                done = _updates(run_dir)
-                if time.monotonic() >= next_fault and done > started:
-                    if injector.inject(scripted[0] if scripted else None) and scripted:
+                if schedule.due(_updates(run_dir)):
+                    injected = injector.inject(scripted[0] if scripted else None)
+                    if injected and scripted:
                         scripted.pop(0)
-                    next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * every
+                    schedule.tried(injected is not None)
                 time.sleep(0.1)
             if killer.is_alive() and driver.poll() is not None:
                 killer.join()
@@ -498,7 +504,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--every", type=float, default=3.0, help="mean seconds between faults")
+    timing = parser.add_mutually_exclusive_group()
+    timing.add_argument("--every", type=float, default=None, help="mean seconds between faults (default 3)")
+    timing.add_argument("--per-update", type=int, default=None,
+                        help="faults after each update a driver trains, instead of on a clock")
     parser.add_argument("--programs", type=int, default=200, help="programs of the sandbox part")
     parser.add_argument("--server-timeout", type=float, default=10.0,
                         help="the pools' server_timeout; the long stalls last 2.5 to 4 times it")
@@ -511,8 +520,10 @@ def main() -> None:
     args = parser.parse_args()
     run_dir = Path(args.run_dir or ROOT / "runs" / f"chaos-{args.seed}-{int(time.time())}").resolve()
     began = time.perf_counter()
-    result = chaos_run(run_dir, args.steps, args.seed, args.every, args.set, server_timeout=args.server_timeout,
-                       nodes=args.nodes, trainer_kills=args.trainer_kills, engine=args.engine)
+    every = args.every if args.every is not None or args.per_update is not None else 3.0
+    result = chaos_run(run_dir, args.steps, args.seed, every, args.set, server_timeout=args.server_timeout,
+                       nodes=args.nodes, trainer_kills=args.trainer_kills, engine=args.engine,
+                       per_update=args.per_update)
     result["sandbox"] = sandbox_chaos(args.programs, args.seed)
     result["seconds"] = time.perf_counter() - began
     print(f"\nchaos run {run_dir}: {args.steps} updates, seed {args.seed}, {result['driver_runs']} driver runs, "

@@ -4,8 +4,9 @@ GRPO trains through a RolloutScheduler on a RemoteEnvironmentSource: ``workers``
 EnvironmentWorker actors run multi-turn sessions of the counting tool
 (bench/counting_worker.py, one SubprocessEnvironment process per session) whose model
 calls go to a ServerPool of ``servers`` RolloutServerActors (the tests' sharp decoder).
-An injector on a thread of this process faults the live actors at seeded moments, one
-at a time:
+An injector on a thread of this process faults the live actors, one at a time, seeded, at
+random moments (``--every`` seconds apart on average) or a chosen number after each batch of
+rollouts (``--per-update``: bench/fault_schedule.py):
 
 - ``ray.kill`` of an environment worker (its sessions come back INFRA_ERROR and are run
   again on the others) or of a rollout server;
@@ -22,7 +23,7 @@ an error) and none abandoned; no (task, group, sample) trained twice; no server'
 going down; and each killed tool process's session was run again (resubmissions for
 infrastructure errors at least the tool kills that hit a running session).
 
-    uv run python bench/chaos_episodes.py [--steps 30] [--seed 0] [--every 1.0]
+    uv run python bench/chaos_episodes.py [--steps 30] [--seed 0] [--every 1.0 | --per-update 2]
 
 Prints the faults and the invariants; writes bench/results/chaos_episodes.json.
 """
@@ -56,6 +57,7 @@ from dew.sandbox import SandboxLimits, SubprocessEnvironment
 from dew_ray.actors import RemoteEnvironmentSource, start_environment_workers, start_rollout_servers
 from chaos import actor_pid, kill_newest_under, pick, stall
 from chaos_checks import print_faults_and_invariants
+from fault_schedule import FaultSchedule
 from processes import signal_process
 from load import sharp_decoder
 
@@ -121,11 +123,13 @@ class EpisodeInjector:
         return kind
 
 
-def episode_chaos(steps: int, seed: int, every: float, servers: int = 3, workers: int = 3, tasks_per_step: int = 2,
-                  samples: int = 4, server_timeout: float = 5.0, first=()) -> dict:
+def episode_chaos(steps: int, seed: int, every: float | None, servers: int = 3, workers: int = 3,
+                  tasks_per_step: int = 2, samples: int = 4, server_timeout: float = 5.0, first=(),
+                  per_update: int | None = None) -> dict:
     """Train ``steps`` GRPO updates through environment workers under faults; returns faults and invariants.
 
-    ``first``: fault kinds injected before the seeded ones, in order (each once it is possible).
+    ``first``: fault kinds injected before the seeded ones, in order (each once it is possible). Faults come
+    ``every`` seconds on average, or ``per_update`` after each batch of rollouts (``every`` None).
     """
     cloudpickle.register_pickle_by_value(sys.modules[verifier.__module__])  # the actors cannot import bench/
     model, variables = sharp_decoder(64)
@@ -144,18 +148,18 @@ def episode_chaos(steps: int, seed: int, every: float, servers: int = 3, workers
                                  groups=samples, max_lag=1, ahead=1, truncation="score", max_attempts=6,
                                  log=records.append)
     injector = EpisodeInjector(seed, [s.actor for s in pool.servers], actors, server_timeout)
-    rng = random.Random(seed)
-    started = threading.Event()
-
+    schedule = FaultSchedule(random.Random(seed), every=every, per_update=per_update)
+    schedule.start(0)
+    batches = [0]  # batches of rollouts in: faults start once the first is (compilation spared)
     scripted = list(first)
 
     def faults():
-        next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * every
         while not injector.stop.wait(0.05):
-            if started.is_set() and time.monotonic() >= next_fault:
-                if injector.inject(scripted[0] if scripted else None) and scripted:
+            if schedule.due(batches[0]):
+                injected = injector.inject(scripted[0] if scripted else None)
+                if injected and scripted:
                     scripted.pop(0)
-                next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * every
+                schedule.tried(injected is not None)
 
     threads = [threading.Thread(target=injector.poll_versions, daemon=True), threading.Thread(target=faults,
                                                                                                daemon=True)]
@@ -166,7 +170,7 @@ def episode_chaos(steps: int, seed: int, every: float, servers: int = 3, workers
                                             for i in itertools.count()))
     def rollout(batch, variables, version, key):
         out = scheduler(batch, variables, version, key)
-        started.set()  # faults start once the first update's rollouts are in (compilation spared)
+        batches[0] += 1
         return out
 
     trainer = Trainer(objective, optax.adam(1e-3), key=jax.random.key(seed), rollout=rollout, progress=False)
@@ -222,12 +226,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--every", type=float, default=1.0, help="mean seconds between faults")
+    timing = parser.add_mutually_exclusive_group()
+    timing.add_argument("--every", type=float, default=None, help="mean seconds between faults (default 1)")
+    timing.add_argument("--per-update", type=int, default=None,
+                        help="faults after each batch of rollouts, instead of on a clock")
     parser.add_argument("--server-timeout", type=float, default=5.0)
     args = parser.parse_args()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        result = episode_chaos(args.steps, args.seed, args.every, server_timeout=args.server_timeout)
+        every = args.every if args.every is not None or args.per_update is not None else 1.0
+        result = episode_chaos(args.steps, args.seed, every, server_timeout=args.server_timeout,
+                               per_update=args.per_update)
     finally:
         ray.shutdown()
     print(f"\nepisode chaos run: {args.steps} updates, seed {args.seed}, {result['seconds']:.0f} s")

@@ -9,6 +9,7 @@ environment workers and tool processes killed. (vLLM engines' stalls and kills a
 tests/test_rollout_servers.py's, and bench/chaos.py's with ``--engine vllm``: an engine start costs a minute here.)"""
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +23,15 @@ chaos = import_from("bench", "chaos")
 # beta=0: no KL term, as the run had before it became the default. With beta=0.1 the run failed twice on a 2-core
 # Intel Xeon (once from a removed placement group, which the pools and the broadcast now treat as a dead actor; once
 # for a cause the test did not keep: it keeps each driver's output in the run directory now).
-# restarts=10, max_attempts=10: a fault every 1.5 s, node removals among them, restarts each server of the two
-# worker nodes several times in 24 updates and fails a sample's draws more than the defaults (3 and 3) allow. Past
-# them a server is dead for good ("of 4 started, 4 died", two clean-clone runs here) or a group is abandoned, as the
-# spec's scheduler rule says (update 20 of another run: one group after 16 failed draws). The invariants below ask
-# that nothing be lost within those budgets, as bench/chaos.py's several-node runs set them (restarts=10).
+# restarts=10, max_attempts=10: up to 3 faults after each update (per_update=3, bench/fault_schedule.py), node
+# removals among them, restart each server of the two worker nodes several times in 24 updates and fail a sample's
+# draws (and a sandbox program's runs) more than the defaults (3 and 3) allow. Past them a server is dead for good
+# ("of 4 started, 4 died", two clean-clone runs here) or a group is abandoned, as the spec's scheduler rule says
+# (update 20 of another run: one group after 16 failed draws). The invariants below ask that nothing be lost within
+# those budgets, as bench/chaos.py's several-node runs set them (restarts=10). Faults came on a clock (one every
+# 1.5 s) until 12-07: a busier machine then met more of them in each update, and a run here lost its driver at
+# update 6 after six node removals (a held-out program's runner lost three times, past the sandbox's 2 reruns), as
+# did one whose schedule saved up the faults of the updates a stall spanned.
 TINY = ["sft_steps=80", "sft_errors=0", "tasks_per_step=2", "samples=4", "max_new_tokens=40", "eval_tasks=4",
         "eval_samples=1", "train_tasks=100", "checkpoint_every=1", "runner=process", "beta=0", "restarts=10",
         "max_attempts=10"]
@@ -36,8 +41,8 @@ FIRST = ["remove node", "ray.kill trainer", "SIGSTOP rollout server past its tim
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_pipeline_finishes_under_faults_and_keeps_its_invariants(tmp_path):
-    result = chaos.chaos_run(tmp_path / "chaos", steps=24, seed=5, every=1.5, options=[*TINY, "servers_max=4"],
-                             server_timeout=5, nodes=2, trainer_kills=1, first=FIRST)
+    result = chaos.chaos_run(tmp_path / "chaos", steps=24, seed=5, every=None, per_update=3,
+                             options=[*TINY, "servers_max=4"], server_timeout=5, nodes=2, trainer_kills=1, first=FIRST)
     failed = {name: verdict["detail"] for name, verdict in result["invariants"].items() if not verdict["ok"]}
     assert not failed, (failed, result["log"], result["last_output"])
     assert result["faults"].get("SIGKILL driver") == 1 and result["driver_runs"] == 2
@@ -55,6 +60,43 @@ def test_the_pipeline_finishes_under_faults_and_keeps_its_invariants(tmp_path):
     assert "replayed 24 steps" in replayed.stdout and "DIFFERENT" not in replayed.stdout, replayed.stdout
 
 
+def test_a_schedule_per_update_gives_no_update_more_faults_however_slow_the_machine():
+    """The tests' chaos runs inject faults after each update (bench/fault_schedule.py), not on a clock: an update
+    meets at most ``per_update`` of them however long it takes, so restart and retry budgets hold on any machine."""
+    schedule_of = import_from("bench", "fault_schedule").FaultSchedule
+    now = [0.0]
+    schedule = schedule_of(random.Random(0), per_update=2, retry=1.0, clock=lambda: now[0])
+    schedule.start(3)  # a resumed driver: its start is spared until it trains an update
+    assert not schedule.due(3)
+    now[0] += 10 ** 4  # however long an update takes
+    assert not schedule.due(3)
+    for _ in range(2):  # update 4 gets two, and no more however long it lasts
+        assert schedule.due(4)
+        schedule.tried(True)
+    now[0] += 10 ** 4
+    assert not schedule.due(4)
+    assert schedule.due(6)  # a blocking fault spanned update 5: update 6 gets its own two, none saved up from 5
+    schedule.tried(False)  # could not be injected now: tried again a second later
+    assert not schedule.due(6)
+    now[0] += 1.0
+    assert schedule.due(6)
+    schedule.tried(True)
+    assert schedule.due(6)
+    schedule.tried(True)
+    assert not schedule.due(6) and schedule.due(7)
+    with pytest.raises(ValueError, match="one of every"):
+        schedule_of(random.Random(0), every=1.5, per_update=2)
+    with pytest.raises(ValueError, match="per_update must be at least 1"):
+        schedule_of(random.Random(0), per_update=0)
+    clock = schedule_of(random.Random(0), every=2.0, clock=lambda: now[0])  # the bench's clock mode
+    clock.start(0)
+    assert not clock.due(1)  # 1 to 4 s after the driver's start
+    now[0] += 4.0
+    assert clock.due(1) and not clock.due(0)
+    clock.tried(False)
+    assert not clock.due(1)
+
+
 def test_the_sandbox_never_reports_a_killed_program_completed():
     result = chaos.sandbox_chaos(programs=40, seed=3)
     assert result["killed"] > 0 and result["killed_reported_completed"] == [], result
@@ -67,7 +109,7 @@ def test_tool_episodes_train_under_faults_to_environment_actors_and_tool_process
     """bench/chaos_episodes.py at a test's size: environment workers killed, tool processes SIGKILLed mid-session,
     rollout servers stopped (briefly and past the pools' timeout) and killed while GRPO trains through them."""
     episodes = import_from("bench", "chaos_episodes")
-    result = episodes.episode_chaos(steps=20, seed=2, every=0.7, server_timeout=4,
+    result = episodes.episode_chaos(steps=20, seed=2, every=None, per_update=3, server_timeout=4,
                                     first=["SIGKILL tool process", "ray.kill environment worker",
                                            "SIGSTOP rollout server past its timeout"])
     failed = {name: verdict["detail"] for name, verdict in result["invariants"].items() if not verdict["ok"]}

@@ -34,6 +34,8 @@ from dew_ray.actors import (  # noqa: E402
     start_sandbox_runners,
 )
 from dew_ray.actor_loss import actor_lost  # noqa: E402
+from dew_ray.pipelines.rlvr_config import load_config  # noqa: E402
+from dew_ray.pipelines.rlvr_job import sandbox_fleet  # noqa: E402
 from dew_ray.weight_broadcast import WeightBroadcast  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -247,6 +249,14 @@ def _wait_until(condition, within: float = 60.0) -> bool:
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.1)
     return condition()
+
+
+def test_a_pipelines_sandbox_fleet_reruns_a_lost_runners_program_as_max_attempts_allows():
+    """max_attempts governs a sandbox program whose runner died as it governs a draw whose server died: a chaos run
+    with max_attempts=10 lost its driver to a held-out program whose runner three node losses took, with the
+    fleet's fixed 2 reruns spent."""
+    assert sandbox_fleet([object()], load_config(None, ["max_attempts=10"])).retries == 9
+    assert sandbox_fleet([object()], load_config(None, [])).retries == 2  # the default max_attempts, 3: as before
 
 
 def test_remote_fleet_runs_programs_and_reruns_those_of_a_dead_runner(cluster):

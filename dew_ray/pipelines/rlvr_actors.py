@@ -33,7 +33,6 @@ import ray
 from dew.inference import SafetensorsReload, ServingTask
 from dew.sampling import Sampling
 from dew_ray.actors import (
-    RemoteFleet,
     start_environment_workers,
     start_rollout_servers,
     start_sandbox_runners,
@@ -47,6 +46,7 @@ from dew_ray.pipelines.rlvr_job import (
     engine_args,
     engine_policy,
     engine_rollouts,
+    sandbox_fleet,
     trainer_job,
 )
 from dew_ray.actors.rollout_server_actor import RolloutServerActor
@@ -90,7 +90,7 @@ class RLVRActors:
                                              workers=config.sandbox_workers,
                                              placement=lambda i: self.placement.options("sandbox runner", i),
                                              **self.restarts)
-        self.fleet = RemoteFleet(self.runners, workers=config.sandbox_workers)
+        self.fleet = sandbox_fleet(self.runners, config)
         if self.setup.environment is not None:  # each worker builds the environment in its own process
             # kept for the run (start_environment_workers): a restarted worker builds its environment from it again
             self.environment_workers = start_environment_workers(

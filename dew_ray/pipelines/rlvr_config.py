@@ -110,7 +110,8 @@ class RLVRPipelineConfig(RLVRConfig, TrackerOptions):
     again in its placement-group bundle on a node with room, a rollout server loads the current
     weights before it takes draws, and the survivors take the work meanwhile (an engine="vllm"
     engine comes back with its actor, at a new address the pools follow, or, when only its
-    process exited, from its actor); a lost trainer makes the driver start every actor of the run
+    process exited, from its actor; a program a lost sandbox runner was running runs again on another, at most
+    ``max_attempts - 1`` times); a lost trainer makes the driver start every actor of the run
     again from the newest checkpoint, at most ``restarts`` times; trainer_strategy, server_strategy, sandbox_strategy,
     environment_strategy, judge_strategy: how each role's actors are placed over the nodes,
     "pack" (as few nodes as fit) or "spread" (as many as there are: a lost node takes as few of

@@ -93,7 +93,7 @@ class PipelineEnvironment:
         """(environment, verifier); ``fleet``, ``judges``: the process's own sandbox fleet and judge pool (default:
         ones over ``runners`` and the setup's judge servers)."""
         setup = self.setup
-        fleet = fleet or RemoteFleet(self.runners, workers=setup.config.sandbox_workers)
+        fleet = fleet or sandbox_fleet(self.runners, setup.config)
         reward = pipeline_reward(setup, fleet, judges or judge_pool(setup))
         return build_environment(setup.environment, EnvironmentSetup(setup.tokenizer, reward, setup.eos_ids,
                                                                      setup.config.max_turns))
@@ -128,6 +128,13 @@ def engine_rollouts(setup: Setup, version: int, push: str = "reload"):
                          name=ENGINE_MODEL, version=version, served_dtype=config.engine_dtype,
                          nccl_library=library if push == "nccl" else None, timeout=config.server_timeout,
                          api_key=setup.engine_key, hosts=setup.engine_hosts)
+
+
+def sandbox_fleet(runners: list, config: RLVRPipelineConfig) -> RemoteFleet:
+    """The run's sandbox runners as one fleet for this process. A program whose runner died (its process or its
+    node lost) runs again on another up to ``max_attempts - 1`` times, as a draw whose server died is drawn again:
+    past that its reward raises, and a held-out measurement's takes the run down with it."""
+    return RemoteFleet(runners, workers=config.sandbox_workers, retries=config.max_attempts - 1)
 
 
 def judge_pool(setup: Setup) -> ServerPool | None:
@@ -175,7 +182,7 @@ def trainer_job(setup: Setup, params, servers: list, runners: list, environment_
         pool = engine_rollouts(setup, version=-1, push=config.engine_push)
     else:
         pool = server_pool(servers, timeout=config.server_timeout)
-    fleet = CountingFleet(RemoteFleet(runners, workers=config.sandbox_workers))
+    fleet = CountingFleet(sandbox_fleet(runners, config))
     judges = judge_pool(setup)
     # The trainer's own bar stays off: the driver shows the run's. (The config is not rebuilt here: its checks,
     # the prompts file's existence among them, hold on the driver's machine, not necessarily on this node.)
