@@ -135,16 +135,20 @@ class RLVRActors:
         placement = RolePlacement({"rollout server": role}, timeout=wait, name=name)
         first = len(self.pool.servers)
         names = [f"rollout server {first + i}" for i in range(count)]
+        # kept before the trainers are told, which fails when one was lost meanwhile: stop() then frees the group
+        # and ends its servers, and a recovery's fleet can take the group's name again (a chaos run's trainer kill
+        # followed by a fleet request left it held, and the request, served again after the recovery, stopped the
+        # driver on the name)
+        self.grown.append((placement, names))
         actors = [RolloutServerActor.options(**placement.options("rollout server", i), **self.restarts)
                   .remote(self.pool.task, config.slots, self.setup.width, version=-1, stale=True)
                   for i in range(count)]
+        self.servers += actors
         pairs = list(zip(names, actors))
         for server_name, actor in pairs:
             self.pool.add(actor, server_name)
         ray.get([trainer.add_servers.remote(pairs) for trainer in self.trainers])
         ray.get([worker.add_servers.remote(pairs) for worker in self.environment_workers])
-        self.servers += actors
-        self.grown.append((placement, names))
         return names, placement.where()
 
     def remove_servers(self, names: list[str], timeout: float) -> int:
