@@ -439,11 +439,7 @@ def chaos_run(run_dir: Path, steps: int, seed: int, every: float | None, options
                 killer.start()
             schedule.start(_updates(run_dir))
             while driver.poll() is None and time.monotonic() < deadline and not killed:
-                if schedule.due(_updates(run_dir)):
-                    injected = injector.inject(scripted[0] if scripted else None)
-                    if injected and scripted:
-                        scripted.pop(0)
-                    schedule.tried(injected is not None)
+                schedule.poll(_updates(run_dir), injector.inject, scripted)
                 time.sleep(0.1)
             if killer.is_alive() and driver.poll() is not None:
                 killer.join()
@@ -505,7 +501,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     timing = parser.add_mutually_exclusive_group()
-    timing.add_argument("--every", type=float, default=None, help="mean seconds between faults (default 3)")
+    timing.add_argument("--every", type=float, default=3.0, help="mean seconds between faults")
     timing.add_argument("--per-update", type=int, default=None,
                         help="faults after each update a driver trains, instead of on a clock")
     parser.add_argument("--programs", type=int, default=200, help="programs of the sandbox part")
@@ -520,7 +516,7 @@ def main() -> None:
     args = parser.parse_args()
     run_dir = Path(args.run_dir or ROOT / "runs" / f"chaos-{args.seed}-{int(time.time())}").resolve()
     began = time.perf_counter()
-    every = args.every if args.every is not None or args.per_update is not None else 3.0
+    every = None if args.per_update is not None else args.every
     result = chaos_run(run_dir, args.steps, args.seed, every, args.set, server_timeout=args.server_timeout,
                        nodes=args.nodes, trainer_kills=args.trainer_kills, engine=args.engine,
                        per_update=args.per_update)

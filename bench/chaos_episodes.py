@@ -155,11 +155,7 @@ def episode_chaos(steps: int, seed: int, every: float | None, servers: int = 3, 
 
     def faults():
         while not injector.stop.wait(0.05):
-            if schedule.due(batches[0]):
-                injected = injector.inject(scripted[0] if scripted else None)
-                if injected and scripted:
-                    scripted.pop(0)
-                schedule.tried(injected is not None)
+            schedule.poll(batches[0], injector.inject, scripted)
 
     threads = [threading.Thread(target=injector.poll_versions, daemon=True), threading.Thread(target=faults,
                                                                                                daemon=True)]
@@ -227,14 +223,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     timing = parser.add_mutually_exclusive_group()
-    timing.add_argument("--every", type=float, default=None, help="mean seconds between faults (default 1)")
+    timing.add_argument("--every", type=float, default=1.0, help="mean seconds between faults")
     timing.add_argument("--per-update", type=int, default=None,
                         help="faults after each batch of rollouts, instead of on a clock")
     parser.add_argument("--server-timeout", type=float, default=5.0)
     args = parser.parse_args()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        every = args.every if args.every is not None or args.per_update is not None else 1.0
+        every = None if args.per_update is not None else args.every
         result = episode_chaos(args.steps, args.seed, every, server_timeout=args.server_timeout,
                                per_update=args.per_update)
     finally:

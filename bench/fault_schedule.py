@@ -58,3 +58,12 @@ class FaultSchedule:
             self.injected += 1
         else:
             self.next = self.clock() + self.retry
+
+    def poll(self, updates: int, inject, scripted: list[str]) -> None:
+        """One fault through ``inject(kind)`` if one is due: the first of ``scripted`` (taken off once injected), or
+        a seeded one (kind None); ``inject`` returns None when the fault could not be injected now."""
+        if self.due(updates):
+            injected = inject(scripted[0] if scripted else None)
+            if injected is not None and scripted:
+                scripted.pop(0)
+            self.tried(injected is not None)

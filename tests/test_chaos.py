@@ -84,6 +84,13 @@ def test_a_schedule_per_update_gives_no_update_more_faults_however_slow_the_mach
     assert schedule.due(6)
     schedule.tried(True)
     assert not schedule.due(6) and schedule.due(7)
+    scripted, asked = ["remove node", "fleet add"], []
+    outcomes = iter([None, "remove node", "ray.kill trainer"])  # the first try fails now: retried, still first
+    inject = lambda kind: (asked.append(kind), next(outcomes))[1]  # noqa: E731
+    for _ in range(2):
+        schedule.poll(8, inject, scripted)
+        now[0] += 1.0
+    assert asked == ["remove node", "remove node"] and scripted == ["fleet add"]
     with pytest.raises(ValueError, match="one of every"):
         schedule_of(random.Random(0), every=1.5, per_update=2)
     with pytest.raises(ValueError, match="per_update must be at least 1"):
